@@ -1,0 +1,63 @@
+"""Double-softmax linear attention ("efficient attention", Shen et al. 2021):
+``softmax_features(q) @ (softmax_sequence(k)^T @ v)``.
+
+Each row of ``softmax_features(q)`` sums to 1 over the D features and each column of
+``softmax_sequence(k)`` sums to 1 over the M keys, so every output row is a convex combination
+of value rows, with O((N + M) D Dv) work. Nyströmformer starts from this form (seed 004).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..registry import register_method
+from ._masks import compute_dtype, compute_precision, masked_fill_value, no_key_rows
+
+
+@dataclass
+class EfficientOptions:
+    """Double-softmax attention has no options."""
+
+
+@register_method(
+    "efficient",
+    options=EfficientOptions,
+    summary="double-softmax linear attention (Shen et al. 2021)",
+    causal=False,
+    cross_attention=True,
+    complexity="linear",
+)
+def efficient_attention(q, k, v, key_padding_mask, causal, scale):
+    """Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
+
+    The method has no logit scale: ``scale`` must be None. Padded keys get zero weight in the
+    softmax over the sequence; queries of a fully padded sequence output 0. Float32 math under
+    autocast; returns the dtype of q.
+    """
+    if scale is not None:
+        raise ValueError("efficient: this method has no logit scale; pass scale=None")
+    dtype = compute_dtype(q.dtype)
+    with compute_precision(q):
+        qs = torch.softmax(q.to(dtype), dim=-1)
+        kl = k.to(dtype)
+        if key_padding_mask is not None:
+            kl = kl.masked_fill(key_padding_mask[:, None, :, None], masked_fill_value(dtype))
+        ks = torch.softmax(kl, dim=-2)
+        out = qs @ (ks.transpose(-2, -1) @ v.to(dtype))
+        if key_padding_mask is not None:
+            out = out.masked_fill(no_key_rows(key_padding_mask, q.shape[2], False), 0.0)
+    return out.to(q.dtype)
+
+
+def efficient_attention_reference(q, k, v, key_padding_mask=None):
+    """Slow, obvious reference: the explicit ``(N, M)`` weight matrix."""
+    qs = torch.softmax(q, dim=-1)
+    kl = k
+    if key_padding_mask is not None:
+        kl = k.masked_fill(key_padding_mask[:, None, :, None], float("-inf"))
+    ks = torch.softmax(kl, dim=-2).nan_to_num(0.0)
+    w = qs @ ks.transpose(-2, -1)  # (B, H, N, M), rows sum to 1
+    return w @ v

@@ -1,0 +1,88 @@
+"""Exact softmax attention: the baseline every other method is measured against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..registry import register_method
+from ._masks import masked_fill_value, no_key_rows
+from ._options import check_float
+
+
+@dataclass
+class SoftmaxOptions:
+    """``dropout_p``: dropout on the attention weights (as in SDPA); the caller sets it to 0
+    in eval."""
+
+    dropout_p: float = 0.0
+
+    def __post_init__(self):
+        check_float("softmax", "dropout_p", self.dropout_p, minimum=0.0)
+        if self.dropout_p >= 1.0:
+            raise ValueError(f"softmax: dropout_p must be < 1, got {self.dropout_p}")
+
+
+def attention_bias(
+    key_padding_mask: Tensor | None, n: int, m: int, causal: bool, dtype: torch.dtype, device
+) -> Tensor | None:
+    """Additive bias ``(B, 1, N, M)`` (or ``(N, M)`` if only causal) with a finite large negative
+    value at padded keys and, if causal, at future keys. None when nothing is masked."""
+    neg = masked_fill_value(dtype)
+    bias = None
+    if causal:
+        future = torch.ones(n, m, dtype=torch.bool, device=device).triu_(1)
+        bias = torch.zeros(n, m, dtype=dtype, device=device).masked_fill_(future, neg)
+    if key_padding_mask is not None:
+        pad = torch.zeros(key_padding_mask.shape, dtype=dtype, device=device)
+        pad = pad.masked_fill_(key_padding_mask, neg)[:, None, None, :]
+        # where both apply the sum stays finite: neg is finfo.min / 2
+        bias = pad if bias is None else bias + pad
+    return bias
+
+
+@register_method(
+    "softmax",
+    options=SoftmaxOptions,
+    summary="exact softmax attention (SDPA)",
+    causal=True,
+    cross_attention=True,
+    complexity="quadratic",
+)
+def softmax_attention(q, k, v, key_padding_mask, causal, scale, *, dropout_p):
+    """Exact attention ``softmax(s q k^T) v`` through ``F.scaled_dot_product_attention``.
+
+    Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
+    Padded keys get a finite large negative logit; queries that see no real key output 0.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if key_padding_mask is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale
+        )
+    n, m = q.shape[2], k.shape[2]
+    dtype = q.dtype
+    if torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+    bias = attention_bias(key_padding_mask, n, m, causal, dtype, q.device)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
+    return out.masked_fill(no_key_rows(key_padding_mask, n, causal), 0.0)
+
+
+def softmax_attention_reference(q, k, v, key_padding_mask=None, causal=False, scale=None):
+    """Slow, obvious reference: the full weight matrix with explicit masks."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = torch.einsum("bhnd,bhmd->bhnm", q, k) * scale
+    n, m = logits.shape[-2:]
+    allowed = torch.ones(n, m, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed = allowed.tril()
+    allowed = allowed.expand(q.shape[0], 1, n, m)
+    if key_padding_mask is not None:
+        allowed = allowed & ~key_padding_mask[:, None, None, :]
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows with no key -> 0
+    return weights @ v

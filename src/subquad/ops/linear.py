@@ -1,0 +1,135 @@
+"""Linear attention (Katharopoulos et al. 2020) and the kernel-attention core it shares with
+Performer: ``out_n = phi(q_n) . sum_m phi(k_m) v_m^T / phi(q_n) . sum_m phi(k_m)``.
+
+Causal attention is computed in chunks: quadratic inside a chunk of ``chunk_size`` tokens,
+and a running state ``sum phi(k) v^T`` of shape ``(F, Dv)`` per chunk between chunks, so memory
+grows like ``N/chunk_size * F * Dv`` and never like ``N * F * Dv``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..registry import register_method
+from ._masks import compute_dtype, compute_precision
+from ._options import check_int
+
+__all__ = ["linear_attention", "kernel_attention", "linear_attention_reference"]
+
+
+def kernel_attention(
+    phi_q: Tensor,
+    phi_k: Tensor,
+    v: Tensor,
+    key_padding_mask: Tensor | None,
+    causal: bool,
+    chunk_size: int,
+) -> Tensor:
+    """Normalised attention with non-negative features.
+
+    phi_q ``(B, H, N, F)``, phi_k ``(B, H, M, F)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
+    Padded keys are removed from numerator and normaliser alike. A query whose normaliser is 0
+    (it sees no real key) outputs 0.
+    """
+    if key_padding_mask is not None:
+        phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+    # one matmul gives numerator and normaliser: v gets a column of ones
+    v1 = F.pad(v, (0, 1), value=1.0)
+    if causal:
+        out = _causal_chunked(phi_q, phi_k, v1, chunk_size)
+    else:
+        out = phi_q @ (phi_k.transpose(-2, -1) @ v1)
+    num, den = out[..., :-1], out[..., -1:]
+    return num / den.clamp_min(torch.finfo(den.dtype).tiny)
+
+
+def _causal_chunked(phi_q: Tensor, phi_k: Tensor, v1: Tensor, chunk: int) -> Tensor:
+    B, H, N, Fd = phi_q.shape
+    Dv = v1.shape[-1]
+    chunk = min(chunk, N)
+    n_chunks = -(-N // chunk)
+    pad = n_chunks * chunk - N
+    if pad:  # zero features: padded keys add nothing, padded queries are cut off below
+        phi_q = F.pad(phi_q, (0, 0, 0, pad))
+        phi_k = F.pad(phi_k, (0, 0, 0, pad))
+        v1 = F.pad(v1, (0, 0, 0, pad))
+    qc = phi_q.reshape(B, H, n_chunks, chunk, Fd)
+    kc = phi_k.reshape(B, H, n_chunks, chunk, Fd)
+    vc = v1.reshape(B, H, n_chunks, chunk, Dv)
+    # inside each chunk: the masked quadratic form
+    scores = qc @ kc.transpose(-2, -1)
+    keep = torch.ones(chunk, chunk, dtype=torch.bool, device=phi_q.device).tril()
+    intra = scores.masked_fill(~keep, 0.0) @ vc
+    # between chunks: state before chunk c = sum of phi_k^T v1 over chunks < c (exclusive scan)
+    kv = kc.transpose(-2, -1) @ vc  # (B, H, C, F, Dv)
+    state = torch.cumsum(kv, dim=2)
+    state = F.pad(state[:, :, :-1], (0, 0, 0, 0, 1, 0))
+    inter = qc @ state
+    out = (intra + inter).reshape(B, H, n_chunks * chunk, Dv)
+    return out[:, :, :N]
+
+
+def elu_feature_map(x: Tensor) -> Tensor:
+    """``elu(x) + 1``: positive, and linear for x > 0."""
+    return F.elu(x) + 1.0
+
+
+@dataclass
+class LinearOptions:
+    """``chunk_size``: tokens per chunk of the causal computation."""
+
+    chunk_size: int = 64
+
+    def __post_init__(self):
+        check_int("linear", "chunk_size", self.chunk_size, minimum=1)
+
+
+@register_method(
+    "linear",
+    options=LinearOptions,
+    summary="elu(x)+1 linear attention (Katharopoulos et al. 2020)",
+    causal=True,
+    cross_attention=True,
+    complexity="linear",
+)
+def linear_attention(q, k, v, key_padding_mask, causal, scale, *, chunk_size):
+    """Linear attention with the ``elu(x) + 1`` feature map.
+
+    Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
+    The method has no logit scale: ``scale`` must be None. Runs in float32 (float64 stays
+    float64) even under autocast; returns the dtype of q.
+    """
+    if scale is not None:
+        raise ValueError("linear: this method has no logit scale; pass scale=None")
+    dtype = compute_dtype(q.dtype)
+    with compute_precision(q):
+        out = kernel_attention(
+            elu_feature_map(q.to(dtype)),
+            elu_feature_map(k.to(dtype)),
+            v.to(dtype),
+            key_padding_mask,
+            causal,
+            chunk_size,
+        )
+    return out.to(q.dtype)
+
+
+def kernel_attention_reference(phi_q, phi_k, v, key_padding_mask=None, causal=False):
+    """Slow, obvious reference: the explicit ``(N, M)`` weight matrix, masked and normalised."""
+    w = phi_q @ phi_k.transpose(-2, -1)
+    if causal:
+        w = w.tril()
+    if key_padding_mask is not None:
+        w = w.masked_fill(key_padding_mask[:, None, None, :], 0.0)
+    den = w.sum(-1, keepdim=True)
+    return torch.where(den > 0, (w @ v) / den, torch.zeros_like(den))
+
+
+def linear_attention_reference(q, k, v, key_padding_mask=None, causal=False):
+    return kernel_attention_reference(
+        elu_feature_map(q), elu_feature_map(k), v, key_padding_mask, causal
+    )

@@ -1,0 +1,186 @@
+"""The method registry: one entry per attention mechanism, with its capabilities and options.
+
+An op is registered with :func:`register_method`. The decorator returns the *checked* op: it
+validates q/k/v and the mask, refuses combinations the method does not support (causal,
+cross-attention), builds the method's options dataclass (whose ``__post_init__`` validates
+ranges) and calls the raw implementation with ``scale`` resolved. So every public op and
+:func:`subquad.attention` share one path of checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import Tensor
+
+__all__ = ["MethodInfo", "register_method", "get_method", "list_methods", "attention"]
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    """What a method is and what it can do.
+
+    ``complexity`` is ``"linear"`` (nothing of size N x M is formed) or ``"quadratic"``.
+    ``learned_parameters`` is True when the method's module owns parameters beyond the
+    q/k/v/out projections (a sort network, landmark networks).
+    """
+
+    name: str
+    summary: str
+    causal: bool
+    key_padding: bool
+    cross_attention: bool
+    complexity: str
+    stochastic: bool
+    learned_parameters: bool
+    options: type
+    op: Callable[..., Tensor] = dataclasses.field(repr=False, compare=False)
+
+    def option_defaults(self) -> dict[str, Any]:
+        """The method's options and their default values."""
+        out = {}
+        for f in dataclasses.fields(self.options):
+            if f.default is not dataclasses.MISSING:
+                out[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:  # pragma: no cover
+                out[f.name] = f.default_factory()
+        return out
+
+    def make_options(self, **options: Any):
+        """Build (and so validate) the options dataclass; unknown names are a ValueError."""
+        valid = [f.name for f in dataclasses.fields(self.options)]
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise ValueError(
+                f"method {self.name!r} got unknown option(s) {unknown}; "
+                f"valid options are {valid or 'none'}"
+            )
+        return self.options(**options)
+
+
+_REGISTRY: dict[str, MethodInfo] = {}
+
+
+def register_method(
+    name: str,
+    *,
+    options: type,
+    summary: str,
+    causal: bool,
+    cross_attention: bool,
+    complexity: str,
+    stochastic: bool = False,
+    learned_parameters: bool = False,
+    key_padding: bool = True,
+) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
+    """Decorator: register ``impl(q, k, v, key_padding_mask, causal, scale, **options)``
+    under ``name`` and return the checked public op. ``impl`` gets ``scale=None`` when the
+    caller gave none (methods without a logit scale can then refuse an explicit one)."""
+    if complexity not in ("linear", "quadratic"):
+        raise ValueError(f"complexity must be 'linear' or 'quadratic', got {complexity!r}")
+
+    def decorator(impl: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        from .ops._masks import check_qkv  # here: ops imports this module at registration
+
+        @functools.wraps(impl)
+        def op(
+            q: Tensor,
+            k: Tensor,
+            v: Tensor,
+            *,
+            key_padding_mask: Tensor | None = None,
+            causal: bool = False,
+            scale: float | None = None,
+            **opts: Any,
+        ) -> Tensor:
+            info = _REGISTRY[name]
+            check_qkv(q, k, v, key_padding_mask, name=name, cross_attention=info.cross_attention)
+            if causal:
+                if not info.causal:
+                    supported = [m.name for m in _REGISTRY.values() if m.causal]
+                    raise NotImplementedError(
+                        f"method {name!r} is not causal by construction; causal=True is "
+                        f"supported by {supported}"
+                    )
+                if q.shape[2] != k.shape[2]:
+                    raise ValueError(
+                        f"{name}: causal=True needs equal query and key lengths, "
+                        f"got N={q.shape[2]}, M={k.shape[2]}"
+                    )
+            if key_padding_mask is not None and not info.key_padding:
+                raise NotImplementedError(f"method {name!r} does not support key_padding_mask")
+            if scale is not None:
+                if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+                    raise ValueError(f"{name}: scale must be a positive number, got {scale!r}")
+                scale = float(scale)
+            o = info.make_options(**opts)
+            fields = {f.name: getattr(o, f.name) for f in dataclasses.fields(o)}
+            return impl(q, k, v, key_padding_mask, bool(causal), scale, **fields)
+
+        if name in _REGISTRY:
+            raise ValueError(f"method {name!r} is already registered")
+        _REGISTRY[name] = MethodInfo(
+            name=name,
+            summary=summary,
+            causal=causal,
+            key_padding=key_padding,
+            cross_attention=cross_attention,
+            complexity=complexity,
+            stochastic=stochastic,
+            learned_parameters=learned_parameters,
+            options=options,
+            op=op,
+        )
+        return op
+
+    return decorator
+
+
+def get_method(name: str) -> MethodInfo:
+    """The registry entry for ``name``; ValueError listing the known methods otherwise."""
+    _ensure_loaded()
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(f"unknown method {name!r}; known methods are {sorted(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def list_methods() -> list[MethodInfo]:
+    """Every registered method with its capabilities, in registration order."""
+    _ensure_loaded()
+    return list(_REGISTRY.values())
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    method: str = "softmax",
+    key_padding_mask: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    **options: Any,
+) -> Tensor:
+    """Attention by any registered method.
+
+    Args:
+        q: ``(B, H, N, D)`` queries. k: ``(B, H, M, D)`` keys. v: ``(B, H, M, Dv)`` values.
+        method: a name from :func:`list_methods`.
+        key_padding_mask: bool ``(B, M)``, True marks padding.
+        causal: query i sees keys 0..i (only for methods that are causal by construction).
+        scale: logit scale, default ``D ** -0.5``.
+        **options: the method's options (see ``get_method(method).option_defaults()``).
+
+    Returns:
+        ``(B, H, N, Dv)`` in the dtype of ``q``.
+    """
+    return get_method(method).op(
+        q, k, v, key_padding_mask=key_padding_mask, causal=causal, scale=scale, **options
+    )
+
+
+def _ensure_loaded() -> None:
+    from . import ops  # noqa: F401  (importing ops registers the built-in methods)
