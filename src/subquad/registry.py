@@ -16,13 +16,16 @@ from typing import Any, Callable
 
 from torch import Tensor
 
-__all__ = ["MethodInfo", "register_method", "get_method", "list_methods", "attention"]
+__all__ = ["MethodInfo", "register_method", "register_mixer", "get_method", "list_methods", "attention"]
 
 
 @dataclass(frozen=True)
 class MethodInfo:
     """What a method is and what it can do.
 
+    ``kind`` is ``"attention"`` (an op on q, k, v with the library signature, in ``op``) or
+    ``"mixer"`` (a token mixer on ``x`` ``(B, N, C)`` with no q/k/v, such as Hamburger; its
+    ``nn.Module`` class is ``module`` and ``op`` is None).
     ``complexity`` is ``"linear"`` (nothing of size N x M is formed) or ``"quadratic"``.
     ``learned_parameters`` is True when the method's module owns parameters beyond the
     q/k/v/out projections (a sort network, landmark networks).
@@ -37,7 +40,9 @@ class MethodInfo:
     stochastic: bool
     learned_parameters: bool
     options: type
-    op: Callable[..., Tensor] = dataclasses.field(repr=False, compare=False)
+    op: Callable[..., Tensor] | None = dataclasses.field(repr=False, compare=False)
+    kind: str = "attention"
+    module: type | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def option_defaults(self) -> dict[str, Any]:
         """The method's options and their default values."""
@@ -139,6 +144,41 @@ def register_method(
     return decorator
 
 
+def register_mixer(
+    name: str,
+    *,
+    module: type,
+    options: type,
+    summary: str,
+    complexity: str,
+    causal: bool = False,
+    key_padding: bool = True,
+    stochastic: bool = False,
+    learned_parameters: bool = True,
+) -> None:
+    """Register a token mixer that is not a q/k/v op: ``module(embed_dim, num_heads, **options)``
+    must build an ``nn.Module`` whose ``forward(x, key_padding_mask=None)`` maps ``(B, N, C)``
+    to ``(B, N, C)``. Mixers are self-only (no cross-attention)."""
+    if name in _REGISTRY:
+        raise ValueError(f"method {name!r} is already registered")
+    if complexity not in ("linear", "quadratic"):
+        raise ValueError(f"complexity must be 'linear' or 'quadratic', got {complexity!r}")
+    _REGISTRY[name] = MethodInfo(
+        name=name,
+        summary=summary,
+        causal=causal,
+        key_padding=key_padding,
+        cross_attention=False,
+        complexity=complexity,
+        stochastic=stochastic,
+        learned_parameters=learned_parameters,
+        options=options,
+        op=None,
+        kind="mixer",
+        module=module,
+    )
+
+
 def get_method(name: str) -> MethodInfo:
     """The registry entry for ``name``; ValueError listing the known methods otherwise."""
     _ensure_loaded()
@@ -177,7 +217,13 @@ def attention(
     Returns:
         ``(B, H, N, Dv)`` in the dtype of ``q``.
     """
-    return get_method(method).op(
+    info = get_method(method)
+    if info.op is None:
+        raise ValueError(
+            f"method {method!r} is a token mixer on x (B, N, C), not an attention op on q, k, v; "
+            f"build it with subquad.layers (see get_method({method!r}).module)"
+        )
+    return info.op(
         q, k, v, key_padding_mask=key_padding_mask, causal=causal, scale=scale, **options
     )
 

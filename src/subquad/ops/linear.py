@@ -37,14 +37,19 @@ def kernel_attention(
     """
     if key_padding_mask is not None:
         phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
-    # one matmul gives numerator and normaliser: v gets a column of ones
-    v1 = F.pad(v, (0, 1), value=1.0)
     if causal:
-        out = _causal_chunked(phi_q, phi_k, v1, chunk_size)
-    else:
-        out = phi_q @ (phi_k.transpose(-2, -1) @ v1)
-    num, den = out[..., :-1], out[..., -1:]
-    return num / den.clamp_min(torch.finfo(den.dtype).tiny)
+        # one chunked pass gives numerator and normaliser: v gets a column of ones
+        out = _causal_chunked(phi_q, phi_k, F.pad(v, (0, 1), value=1.0), chunk_size)
+        return out[..., :-1] / _safe_den(out[..., -1:])
+    num = phi_q @ (phi_k.transpose(-2, -1) @ v)
+    den = phi_q @ phi_k.sum(-2, keepdim=True).transpose(-2, -1)
+    return num.div_(_safe_den(den))  # in place: num is not saved for backward
+
+
+def _safe_den(den: Tensor) -> Tensor:
+    """The normaliser with exact zeros (a query that sees no real key, whose numerator is 0
+    too) replaced by 1, so that the output and its gradient are 0 there, never NaN."""
+    return torch.where(den > 0, den, torch.ones_like(den))
 
 
 def _causal_chunked(phi_q: Tensor, phi_k: Tensor, v1: Tensor, chunk: int) -> Tensor:

@@ -9,12 +9,13 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..registry import register_method
-from ._masks import compute_dtype, compute_precision, masked_fill_value
+from ._masks import compute_dtype, compute_precision, masked_fill_value, no_key_rows
 from ._options import check_bool, check_float, check_int
-from .linear import kernel_attention
+from .linear import _safe_den, kernel_attention
 
 __all__ = [
     "performer_attention",
@@ -57,50 +58,78 @@ def random_projection(
     return w.to(device=device if device is not None else gen_device, dtype=dtype)
 
 
+# rows per block of the streamed path are chosen so a (B, H, rows, m) block has this many
+# elements (2 MiB in float32): it stays in cache between the matmul, exp and matmul
+_BLOCK_ELEMENTS = 1 << 19
+
+
+class _ShiftedExp(torch.autograd.Function):
+    """``exp(logits - shift) + eps`` computed in place over the (B, H, L, m) logits: the
+    feature maps are the largest tensors of the method, and each extra pass over them costs
+    as much as a matmul. ``shift`` is a detached stabiliser (no gradient)."""
+
+    @staticmethod
+    def forward(ctx, logits, shift, eps):
+        out = logits.sub_(shift).exp_()
+        if eps:
+            out.add_(eps)
+        ctx.mark_dirty(logits)
+        ctx.save_for_backward(out)
+        ctx.eps = eps
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad * (out - ctx.eps if ctx.eps else out), None, None
+
+
 def performer_features(
     x: Tensor,
     projection: Tensor,
     *,
     kind: str,
+    scale: float = 1.0,
     key_padding_mask: Tensor | None = None,
     causal: bool = False,
     eps: float = 0.0,
 ) -> Tensor:
-    """Positive random features of ``x`` ``(B, H, L, D)`` (already scaled to paper units,
-    ``x * sqrt(scale)``) for ``projection`` ``(m, D)``; returns ``(B, H, L, m)``.
+    """Positive random features of ``x`` ``(B, H, L, D)`` for ``projection`` ``(m, D)``,
+    with ``x`` taken in paper units ``x' = sqrt(scale) x``; returns ``(B, H, L, m)``.
 
-    ``kind="raw"``: the unbiased ``m^{-1/2} exp(w.x - |x|^2/2)``.
-    ``kind="query"``: ``exp(w.x - |x|^2/2 - c_n) + eps`` with ``c_n`` the max over features of
+    ``kind="raw"``: the unbiased ``m^{-1/2} exp(w.x' - |x'|^2/2)``.
+    ``kind="query"``: ``exp(w.x' - |x'|^2/2 - c_n) + eps`` with ``c_n`` the max over features of
     query n (a per-row factor that cancels in the normalised output).
     ``kind="key"``: the same with one constant per (batch, head) that cancels too: the max over
     real keys and features, or, when ``causal``, the data-independent bound ``max_i |w_i|^2/2``
-    (``w.x - |x|^2/2 <= |w|^2/2``), so that no future key can change a past output.
+    (``w.x' - |x'|^2/2 <= |w|^2/2``), so that no future key can change a past output.
     The stabilisers are detached. The ``m^{-1/2}`` factor is left out of the stabilised kinds,
     where it cancels.
     """
-    logits = torch.baddbmm(
-        (x * x).sum(-1, keepdim=True).flatten(0, 1).mul(-0.5),
-        x.flatten(0, 1),
-        projection.transpose(0, 1).expand(x.shape[0] * x.shape[1], -1, -1),
-    ).unflatten(0, x.shape[:2])
+    B, H, L, D = x.shape
+    # w.x' as one matmul over all (B, H, L) rows
+    logits = torch.mm(x.reshape(-1, D), projection.t() * math.sqrt(scale)).view(B, H, L, -1)
+    if kind == "query":
+        # -|x'|^2/2 is a per-row constant like the stabiliser: both cancel for a query
+        shift = logits.detach().amax(-1, keepdim=True)
+        return _ShiftedExp.apply(logits, shift, eps)
+    half_sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square().mul(0.5 * scale)
+    logits = logits.sub_(half_sq)  # in place: the matmul does not need its output for backward
     if kind == "raw":
         return torch.exp(logits) * projection.shape[0] ** -0.5
-    if kind == "query":
-        stab = logits.detach().amax(-1, keepdim=True)
-    elif kind == "key":
+    if kind == "key":
         if causal:
-            stab = (projection.detach() ** 2).sum(-1).amax() / 2
+            shift = (projection.detach() ** 2).sum(-1).amax() / 2
         elif key_padding_mask is None:
-            stab = logits.detach().amax((-2, -1), keepdim=True)
+            shift = logits.detach().amax((-2, -1), keepdim=True)
         else:
             masked = logits.detach().masked_fill(
                 key_padding_mask[:, None, :, None], masked_fill_value(logits.dtype)
             )
-            stab = masked.amax((-2, -1), keepdim=True)
+            shift = masked.amax((-2, -1), keepdim=True)
     else:
         raise ValueError(f"kind must be 'raw', 'query' or 'key', got {kind!r}")
-    feats = torch.exp(logits - stab)
-    return feats + eps if eps else feats
+    return _ShiftedExp.apply(logits, shift, eps)
 
 
 @dataclass
@@ -173,21 +202,64 @@ def performer_attention(
         raise ValueError(f"performer: features must have shape (m, {D}), got {tuple(features.shape)}")
     with compute_precision(q):
         w = features.to(device=q.device, dtype=dtype)
-        root = math.sqrt(scale)
-        phi_q = performer_features(q.to(dtype) * root, w, kind="query", eps=eps)
-        phi_k = performer_features(
-            k.to(dtype) * root, w, kind="key", key_padding_mask=key_padding_mask, causal=causal, eps=eps
-        )
-        out = kernel_attention(phi_q, phi_k, v.to(dtype), key_padding_mask, causal, chunk_size)
+        qc, kc, vc = q.to(dtype), k.to(dtype), v.to(dtype)
+        if not causal:
+            out = _bidirectional_streamed(qc, kc, vc, w, scale, key_padding_mask, eps)
+        else:
+            phi_q = performer_features(qc, w, kind="query", scale=scale, eps=eps)
+            phi_k = performer_features(kc, w, kind="key", scale=scale, causal=True, eps=eps)
+            out = kernel_attention(phi_q, phi_k, vc, key_padding_mask, True, chunk_size)
     return out.to(q.dtype)
+
+
+def _bidirectional_streamed(q, k, v, w, scale, key_padding_mask, eps):
+    """Non-causal FAVOR+ over blocks of the sequence, so that the (B, H, rows, m) feature blocks
+    stay in cache instead of streaming whole (B, H, L, m) tensors through memory several times.
+
+    Keys are accumulated into ``S = sum phi(k) v^T`` and ``z = sum phi(k)`` with an online
+    maximum (the running sums are rescaled when a later block raises it), which equals the
+    single global key stabiliser of the spec. The ``eps`` of the key features is added in
+    closed form: ``eps * sum_real v`` to every row of S and ``eps * count_real`` to z.
+    """
+    B, H, M, D = k.shape
+    m, Dv = w.shape[0], v.shape[-1]
+    block = max(64, _BLOCK_ELEMENTS // (B * H * m))
+    wt = w.t() * math.sqrt(scale)
+    neg = masked_fill_value(k.dtype)
+    kv = run = None  # kv: (B, H, m, Dv + 1), the last column is z = sum phi(k)
+    for s in range(0, M, block):
+        kb = k[:, :, s : s + block]
+        vb = F.pad(v[:, :, s : s + block], (0, 1), value=1.0)
+        logits = kb @ wt
+        logits = logits.sub_(torch.linalg.vector_norm(kb, dim=-1, keepdim=True).square().mul(0.5 * scale))
+        if key_padding_mask is not None:
+            logits = logits.masked_fill_(key_padding_mask[:, None, s : s + block, None], neg)
+        top = logits.detach().amax((-2, -1), keepdim=True)
+        new = top if run is None else torch.maximum(run, top)
+        kv_b = _ShiftedExp.apply(logits, new, 0.0).transpose(-2, -1) @ vb
+        # a (batch, head) with no real key yet has run = neg: its sums are scaled to 0 here
+        kv = kv_b if kv is None else kv * torch.exp(run - new) + kv_b
+        run = new
+    if eps:
+        v1 = F.pad(v, (0, 1), value=1.0)
+        if key_padding_mask is not None:
+            v1 = v1.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+        kv = kv + eps * v1.sum(-2, keepdim=True)
+    out = q.new_empty(B, H, q.shape[2], Dv)
+    for s in range(0, q.shape[2], block):
+        logits = q[:, :, s : s + block] @ wt
+        res = _ShiftedExp.apply(logits, logits.detach().amax(-1, keepdim=True), eps) @ kv
+        out[:, :, s : s + block] = res[..., :Dv] / _safe_den(res[..., Dv:])
+    if key_padding_mask is not None:
+        out = out.masked_fill(no_key_rows(key_padding_mask, q.shape[2], False), 0.0)
+    return out
 
 
 def performer_attention_reference(q, k, v, features, key_padding_mask=None, causal=False, scale=None):
     """Slow, obvious reference: unstabilised features and the explicit ``(N, M)`` matrix."""
-    from .linear import kernel_attention_reference
+    from .linear import _safe_den, kernel_attention_reference
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    root = math.sqrt(scale)
-    phi_q = performer_features(q * root, features, kind="raw")
-    phi_k = performer_features(k * root, features, kind="raw")
+    phi_q = performer_features(q, features, kind="raw", scale=scale)
+    phi_k = performer_features(k, features, kind="raw", scale=scale)
     return kernel_attention_reference(phi_q, phi_k, v, key_padding_mask, causal)
