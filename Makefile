@@ -1,0 +1,27 @@
+# Two entry points that do all the set-up on a fresh machine:
+#   make demo   creates .venv, installs subquad, runs the main job (speed vs exact attention)
+#   make test   creates .venv, installs torch 2.13.0 first, then subquad[dev], then runs pytest
+VENV ?= .venv
+PY := $(VENV)/bin/python
+RESULTS ?= benchmarks/results
+
+.PHONY: demo test lint clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	# torch first: 2.13.0 is the CPU build on this machine; an unpinned resolve pulls CUDA wheels
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m subquad.bench.speed --out $(RESULTS)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

@@ -1,0 +1,1 @@
+"""Benchmarks: speed, memory and fidelity against exact attention."""
