@@ -98,21 +98,19 @@ def performer_features(
     with ``x`` taken in paper units ``x' = sqrt(scale) x``; returns ``(B, H, L, m)``.
 
     ``kind="raw"``: the unbiased ``m^{-1/2} exp(w.x' - |x'|^2/2)``.
-    ``kind="query"``: ``exp(w.x' - |x'|^2/2 - c_n) + eps`` with ``c_n`` the max over features of
-    query n (a per-row factor that cancels in the normalised output).
-    ``kind="key"``: the same with one constant per (batch, head) that cancels too: the max over
-    real keys and features, or, when ``causal``, the data-independent bound ``max_i |w_i|^2/2``
-    (``w.x' - |x'|^2/2 <= |w|^2/2``), so that no future key can change a past output.
-    The stabilisers are detached. The ``m^{-1/2}`` factor is left out of the stabilised kinds,
-    where it cancels.
+    ``kind="query"``: the raw features times a per-row constant, which cancels in the normalised
+    output: ``softmax_i(w_i.x')`` (the ``|x'|^2/2`` term is per-row too). Its largest entry is
+    at least ``1/m``, so a query's features are never all zero and need no ``eps``.
+    ``kind="key"``: ``exp(w.x' - |x'|^2/2 - c) + eps`` with one constant ``c`` per (batch, head)
+    that cancels too: the max over real keys and features, or, when ``causal``, the
+    data-independent bound ``max_i |w_i|^2/2`` (``w.x' - |x'|^2/2 <= |w|^2/2``), so that no
+    future key can change a past output. Stabilisers are detached.
     """
     B, H, L, D = x.shape
     # w.x' as one matmul over all (B, H, L) rows
     logits = torch.mm(x.reshape(-1, D), projection.t() * math.sqrt(scale)).view(B, H, L, -1)
     if kind == "query":
-        # -|x'|^2/2 is a per-row constant like the stabiliser: both cancel for a query
-        shift = logits.detach().amax(-1, keepdim=True)
-        return _ShiftedExp.apply(logits, shift, eps)
+        return torch.softmax(logits, dim=-1)
     half_sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square().mul(0.5 * scale)
     logits = logits.sub_(half_sq)  # in place: the matmul does not need its output for backward
     if kind == "raw":
@@ -141,7 +139,8 @@ class PerformerOptions:
     features: a user-supplied ``(m, D)`` projection; when given it is used as is and
         ``num_features``, ``orthogonal`` and ``generator`` are not used.
     generator: source of the random projection drawn when ``features`` is None.
-    eps: numerical stabiliser added to every feature (1e-6 as in the JAX reference).
+    eps: numerical stabiliser added to every key feature (1e-6 as in the JAX reference); it
+        keeps every normaliser positive. Query features need none (see ``performer_features``).
     chunk_size: tokens per chunk of the causal computation.
     """
 
@@ -206,7 +205,7 @@ def performer_attention(
         if not causal:
             out = _bidirectional_streamed(qc, kc, vc, w, scale, key_padding_mask, eps)
         else:
-            phi_q = performer_features(qc, w, kind="query", scale=scale, eps=eps)
+            phi_q = performer_features(qc, w, kind="query", scale=scale)
             phi_k = performer_features(kc, w, kind="key", scale=scale, causal=True, eps=eps)
             out = kernel_attention(phi_q, phi_k, vc, key_padding_mask, True, chunk_size)
     return out.to(q.dtype)
@@ -247,8 +246,7 @@ def _bidirectional_streamed(q, k, v, w, scale, key_padding_mask, eps):
         kv = kv + eps * v1.sum(-2, keepdim=True)
     out = q.new_empty(B, H, q.shape[2], Dv)
     for s in range(0, q.shape[2], block):
-        logits = q[:, :, s : s + block] @ wt
-        res = _ShiftedExp.apply(logits, logits.detach().amax(-1, keepdim=True), eps) @ kv
+        res = torch.softmax(q[:, :, s : s + block] @ wt, dim=-1) @ kv
         out[:, :, s : s + block] = res[..., :Dv] / _safe_den(res[..., Dv:])
     if key_padding_mask is not None:
         out = out.masked_fill(no_key_rows(key_padding_mask, q.shape[2], False), 0.0)
