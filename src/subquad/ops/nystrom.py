@@ -143,11 +143,11 @@ def nystrom_attention(q, k, v, key_padding_mask, causal, scale, *, num_landmarks
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     n, m_keys = q.shape[2], k.shape[2]
     m = num_landmarks
-    if m >= min(n, m_keys):
-        return softmax_attention(q, k, v, key_padding_mask=key_padding_mask, scale=scale)
     dtype = compute_dtype(q.dtype)
     with compute_precision(q):
         qc, kc, vc = q.to(dtype), k.to(dtype), v.to(dtype)
+        if m >= min(n, m_keys):  # exact attention is the cheaper path here
+            return softmax_attention(qc, kc, vc, key_padding_mask=key_padding_mask, scale=scale).to(q.dtype)
         keep_k = None if key_padding_mask is None else ~key_padding_mask
         keep_q = keep_k if n == m_keys else None
         q_land, empty_q = segment_means(qc, m, keep_q)
