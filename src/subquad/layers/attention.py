@@ -203,6 +203,9 @@ class MultiheadAttention(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         info = get_method(method)
+        if info.kind != "attention":
+            raise ValueError(f"method {method!r} is a token mixer on x (B, N, C), not attention on q, k, v; "
+                             f"build it with subquad.get_method({method!r}).module(embed_dim, num_heads)")
         if dropout > 0 and method != "softmax":
             raise ValueError(f"dropout on attention weights exists only for method='softmax', not {method!r}; "
                              "use dropout=0.0")
@@ -323,6 +326,10 @@ class MultiheadAttention(nn.Module):
             if weights is not None:
                 weights = weights.squeeze(0)
         return out, weights
+
+    # torch's TransformerEncoderLayer fast path (taken for method="softmax" in eval under no_grad)
+    # calls self_attn.merge_masks; the combination only needs num_heads, so torch's method serves
+    merge_masks = nn.MultiheadAttention.merge_masks
 
     def _exact_with_weights(self, q, k, v, pad, causal):
         from ..ops.exact import attention_bias

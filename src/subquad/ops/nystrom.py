@@ -152,9 +152,12 @@ def nystrom_attention(q, k, v, key_padding_mask, causal, scale, *, num_landmarks
         keep_q = keep_k if n == m_keys else None
         q_land, empty_q = segment_means(qc, m, keep_q)
         k_land, empty_k = segment_means(kc, m, keep_k)
-        # A = softmax(q~ k~^T): empty landmarks become identity rows/columns, so the pinv
-        # inverts the block of real landmarks and leaves them out
-        a = torch.softmax((q_land * scale) @ k_land.transpose(-2, -1), dim=-1)
+        # A = softmax(q~ k~^T) over the real key landmarks; empty landmarks become identity
+        # rows/columns, so the pinv inverts the block of real landmarks and leaves them out
+        a_logits = (q_land * scale) @ k_land.transpose(-2, -1)
+        if empty_k is not None:
+            a_logits = a_logits + _landmark_bias(empty_k, dtype)
+        a = torch.softmax(a_logits, dim=-1)
         if empty_k is not None:
             void = empty_k[:, None, None, :]
             if empty_q is not None:

@@ -139,8 +139,10 @@ class PerformerOptions:
     features: a user-supplied ``(m, D)`` projection; when given it is used as is and
         ``num_features``, ``orthogonal`` and ``generator`` are not used.
     generator: source of the random projection drawn when ``features`` is None.
-    eps: numerical stabiliser added to every key feature (1e-6 as in the JAX reference); it
-        keeps every normaliser positive. Query features need none (see ``performer_features``).
+    eps: numerical stabiliser added to every key feature of the non-causal path (1e-6 as in
+        the JAX reference, relative to the largest key feature). The causal path adds none: its
+        key stabiliser is a data-independent bound far above the real logits, so an absolute
+        eps would swamp the features (see ``performer_attention``). Query features need none.
     chunk_size: tokens per chunk of the causal computation.
     """
 
@@ -189,6 +191,12 @@ def performer_attention(
     numerator and the normaliser (performer-pytorch only zeroes their values). Causal attention
     uses chunked prefix sums. Feature math in float32 (float64 stays float64) even under
     autocast; the result has the dtype of q.
+
+    Causal key features are stabilised by ``max_i |w_i|^2 / 2``, which depends on no token, so
+    no future key can change a past output, not even through rounding; ``eps`` is not used
+    there. In float32 these features underflow only for keys whose scaled norm
+    ``|k| * scale^(1/2)`` exceeds about 10, where the estimator's variance (which grows like
+    ``exp(|q' + k'|^2)``) already makes FAVOR+ unusable.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dtype = compute_dtype(q.dtype)
@@ -206,7 +214,7 @@ def performer_attention(
             out = _bidirectional_streamed(qc, kc, vc, w, scale, key_padding_mask, eps)
         else:
             phi_q = performer_features(qc, w, kind="query", scale=scale)
-            phi_k = performer_features(kc, w, kind="key", scale=scale, causal=True, eps=eps)
+            phi_k = performer_features(kc, w, kind="key", scale=scale, causal=True)
             out = kernel_attention(phi_q, phi_k, vc, key_padding_mask, True, chunk_size)
     return out.to(q.dtype)
 
