@@ -1,0 +1,345 @@
+"""Properties every registered attention method must have, swept over the registry.
+
+Capability flags (``causal``, ``cross_attention``, ``key_padding``, ``complexity``,
+``stochastic``) select which tests apply; a method registered later is picked up with no change
+here. Options come from :func:`conftest.method_options`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import subquad
+from conftest import (
+    ATTENTION_METHODS,
+    CAUSAL_METHODS,
+    LINEAR_METHODS,
+    SAMPLING_OPTIONS,
+    STOCHASTIC_METHODS,
+    long_options,
+    method_options,
+    qkv,
+    run_method,
+)
+
+# Extra options for gradcheck only. Performer's feature stabilisers (the per-query and per-key
+# maxima subtracted before exp) are detached: they cancel exactly in the normalised output only
+# when eps = 0, so with the default eps = 1e-6 the analytic gradient is off by O(eps), which
+# the non-causal path shows at this test's tolerance.
+GRADCHECK_OPTIONS = {"performer": {"eps": 0.0}}
+
+
+def _info(name: str):
+    return subquad.get_method(name)
+
+
+def _skip_unless(name: str, *, causal: bool = False, cross: bool = False, padding: bool = False) -> None:
+    info = _info(name)
+    if causal and not info.causal:
+        pytest.skip(f"{name} is not causal by construction")
+    if cross and not info.cross_attention:
+        pytest.skip(f"{name} is self-attention only")
+    if padding and not info.key_padding:
+        pytest.skip(f"{name} does not support key_padding_mask")
+
+
+def _perturb(x: torch.Tensor, where: torch.Tensor, seed: int) -> torch.Tensor:
+    """``x`` ``(B, H, L, d)`` with new random content at positions where ``where`` ``(B, L)``
+    (or ``(L,)``) is True."""
+    g = torch.Generator().manual_seed(seed)
+    noise = 3.0 * torch.randn(x.shape, generator=g, dtype=x.dtype) + 1.0
+    where = where if where.ndim == 2 else where.expand(x.shape[0], -1)
+    return torch.where(where[:, None, :, None], noise, x)
+
+
+def _rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative Frobenius error of ``a`` against ``b``, in float64."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _self_mask(n: int = 12) -> torch.Tensor:
+    """Bool (4, n), True = padding: no padding; padding at the end; padding in the middle
+    (enough to empty a whole segment of 3); fully padded."""
+    mask = torch.zeros(4, n, dtype=torch.bool)
+    mask[1, n - 3 :] = True
+    mask[2, 3:7] = True
+    mask[3] = True
+    return mask
+
+
+# --------------------------------------------------------------------------- shapes and dtypes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("n", [1, 37, 64])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_output_shape_and_dtype(method, n, dtype, causal):
+    """(B, H, N, D) x (B, H, N, Dv) -> (B, H, N, Dv) in the input dtype, finite, for Dv != D."""
+    if causal:
+        _skip_unless(method, causal=True)
+    q, k, v = qkv(2, 3, n, 8, dv=5, dtype=dtype)
+    out = run_method(method, q, k, v, causal=causal)
+    assert out.shape == (2, 3, n, 5)
+    assert out.dtype == dtype
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("n, m", [(1, 37), (37, 1), (7, 64), (64, 7)])
+def test_cross_attention_shape(method, n, m):
+    """Queries and keys of different lengths: (B, H, N, D), (B, H, M, D), (B, H, M, Dv)."""
+    _skip_unless(method, cross=True)
+    q, k, v = qkv(2, 3, n, 8, m=m, dv=5)
+    out = run_method(method, q, k, v)
+    assert out.shape == (2, 3, n, 5)
+    assert out.dtype == q.dtype
+    assert torch.isfinite(out).all()
+
+
+def test_self_only_refuses_other_lengths(method):
+    """A self-attention-only method refuses N != M with a ValueError."""
+    if _info(method).cross_attention:
+        pytest.skip(f"{method} supports cross-attention")
+    q, k, v = qkv(1, 2, 7, 8, m=9)
+    with pytest.raises(ValueError, match="self-attention only"):
+        run_method(method, q, k, v)
+
+
+# --------------------------------------------------------------------------- key padding
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_padding_invariance_self(method, causal):
+    """Self-attention with a key padding mask (padding at the end, in the middle, a fully padded
+    row): new q/k/v content at padded positions leaves every output at a real position
+    unchanged; all outputs are finite; the fully padded row outputs zeros."""
+    _skip_unless(method, padding=True, causal=causal)
+    n = 12
+    mask = _self_mask(n)
+    q, k, v = qkv(4, 2, n, 8, dv=6)
+    out = run_method(method, q, k, v, key_padding_mask=mask, causal=causal)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+
+    q2, k2, v2 = _perturb(q, mask, 1), _perturb(k, mask, 2), _perturb(v, mask, 3)
+    out2 = run_method(method, q2, k2, v2, key_padding_mask=mask, causal=causal)
+    assert torch.isfinite(out2).all()
+    real = ~mask[:, None, :, None].expand_as(out)
+    torch.testing.assert_close(out2[real], out[real], rtol=0, atol=1e-12)
+    assert torch.equal(out2[3], torch.zeros_like(out2[3]))
+
+
+def test_padding_invariance_cross(method):
+    """Cross-attention (M != N) with a key padding mask: new k/v content at padded keys leaves
+    every output unchanged; a batch row whose keys are all padding outputs zeros."""
+    _skip_unless(method, padding=True, cross=True)
+    n, m = 7, 12
+    mask = _self_mask(m)
+    q, k, v = qkv(4, 2, n, 8, m=m, dv=6)
+    out = run_method(method, q, k, v, key_padding_mask=mask)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+
+    out2 = run_method(method, q, _perturb(k, mask, 2), _perturb(v, mask, 3), key_padding_mask=mask)
+    torch.testing.assert_close(out2, out, rtol=0, atol=1e-12)
+
+
+def test_causal_queries_without_real_key_output_zero(method):
+    """Causal attention with leading padding: a query whose visible keys (0..t) are all
+    padding outputs exactly 0; every query that sees a real key outputs something non-zero."""
+    _skip_unless(method, padding=True, causal=True)
+    n = 10
+    mask = torch.zeros(2, n, dtype=torch.bool)
+    mask[0, :3] = True
+    mask[1, [0, 4, 5]] = True
+    q, k, v = qkv(2, 2, n, 8, dv=6)
+    out = run_method(method, q, k, v, key_padding_mask=mask, causal=True)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[0, :, :3], torch.zeros_like(out[0, :, :3]))
+    assert torch.equal(out[1, :, :1], torch.zeros_like(out[1, :, :1]))
+    assert (out[0, :, 3:].abs().sum(-1) > 0).all()
+    assert (out[1, :, 1:].abs().sum(-1) > 0).all()
+
+
+def test_mask_refused_without_key_padding_support(method):
+    """A method without key padding support refuses a mask instead of ignoring it."""
+    if _info(method).key_padding:
+        pytest.skip(f"{method} supports key_padding_mask")
+    q, k, v = qkv(1, 2, 6, 8)
+    with pytest.raises(NotImplementedError, match="key_padding_mask"):
+        run_method(method, q, k, v, key_padding_mask=torch.zeros(1, 6, dtype=torch.bool))
+
+
+# --------------------------------------------------------------------------- causality
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+def test_causal_no_future_leak_outputs(method, masked):
+    """For every t: new content at positions > t leaves outputs 0..t bit-for-bit unchanged
+    (also with a key padding mask)."""
+    _skip_unless(method, causal=True, padding=masked)
+    n = 13
+    q, k, v = qkv(2, 2, n, 8, dv=6)
+    mask = None
+    if masked:
+        mask = torch.zeros(2, n, dtype=torch.bool)
+        mask[0, [2, 3, 9]] = True
+        mask[1, :2] = True
+    out = run_method(method, q, k, v, key_padding_mask=mask, causal=True)
+    for t in range(n):
+        future = torch.arange(n) > t
+        q2, k2, v2 = _perturb(q, future, 10 + t), _perturb(k, future, 100 + t), _perturb(v, future, 200 + t)
+        out2 = run_method(method, q2, k2, v2, key_padding_mask=mask, causal=True)
+        assert torch.equal(out2[:, :, : t + 1], out[:, :, : t + 1]), f"outputs up to t={t} changed"
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+def test_causal_no_future_leak_gradients(method, masked):
+    """For every t: the gradient of outputs 0..t w.r.t. q, k, v at positions > t is exactly 0."""
+    _skip_unless(method, causal=True, padding=masked)
+    n = 13
+    q, k, v = qkv(2, 2, n, 8, dv=6, requires_grad=True)
+    mask = None
+    if masked:
+        mask = torch.zeros(2, n, dtype=torch.bool)
+        mask[0, [2, 3, 9]] = True
+        mask[1, :2] = True
+    out = run_method(method, q, k, v, key_padding_mask=mask, causal=True)
+    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=out.dtype)
+    for t in range(n):
+        loss = (out[:, :, : t + 1] * cotangent[:, :, : t + 1]).sum()
+        grads = torch.autograd.grad(loss, (q, k, v), retain_graph=True, allow_unused=True)
+        for arg, g in zip("qkv", grads):
+            if g is None:
+                continue
+            assert torch.equal(g[:, :, t + 1 :], torch.zeros_like(g[:, :, t + 1 :])), (
+                f"d outputs[:{t + 1}] / d {arg}[{t + 1}:] is not zero"
+            )
+
+
+def test_non_causal_methods_refuse_causal(method):
+    """causal=True on a method that is not causal by construction raises NotImplementedError
+    naming the methods that are."""
+    if _info(method).causal:
+        pytest.skip(f"{method} is causal")
+    q, k, v = qkv(1, 2, 6, 8)
+    with pytest.raises(NotImplementedError) as err:
+        run_method(method, q, k, v, causal=True)
+    message = str(err.value)
+    assert method in message
+    for name in CAUSAL_METHODS:
+        assert repr(name) in message
+
+
+# --------------------------------------------------------------------------- gradients
+
+
+@pytest.mark.parametrize("n", [5, 9])
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gradcheck(method, n, masked, causal):
+    """float64 gradcheck on tiny shapes (B=1, H=2, D=4). The mask pads a middle key and the
+    last key, so every query (causal or not) keeps at least one real key: at rows with none
+    the output is a constant 0 and the check would be trivial."""
+    _skip_unless(method, causal=causal, padding=masked)
+    q, k, v = qkv(1, 2, n, 4, requires_grad=True)
+    mask = None
+    if masked:
+        mask = torch.zeros(1, n, dtype=torch.bool)
+        mask[0, [2, n - 1]] = True
+    extra = GRADCHECK_OPTIONS.get(method, {})
+
+    def fn(q, k, v):
+        return run_method(method, q, k, v, key_padding_mask=mask, causal=causal, **extra)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- low precision
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_bf16_autocast(method, causal):
+    """Under bf16 autocast, on fp32 and on bf16 inputs (with a key padding mask where
+    supported): finite, output in bf16 or the input dtype, within 2e-2 relative Frobenius
+    error of the fp32 result on the same inputs."""
+    _skip_unless(method, causal=causal)
+    n = 37
+    q, k, v = qkv(2, 2, n, 16, dtype=torch.float32)
+    mask = None
+    if _info(method).key_padding:
+        mask = torch.zeros(2, n, dtype=torch.bool)
+        mask[0, 10:15] = True
+        mask[1, 30:] = True
+    kw = {"key_padding_mask": mask, "causal": causal}
+
+    reference = run_method(method, q, k, v, **kw)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = run_method(method, q, k, v, **kw)
+    assert out.dtype in (torch.float32, torch.bfloat16)
+    assert torch.isfinite(out).all()
+    assert _rel_error(out, reference) < 2e-2
+
+    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+    reference = run_method(method, qb.float(), kb.float(), vb.float(), **kw)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = run_method(method, qb, kb, vb, **kw)
+    assert out.dtype == torch.bfloat16
+    assert torch.isfinite(out).all()
+    assert _rel_error(out, reference) < 2e-2
+
+
+# --------------------------------------------------------------------------- randomness
+
+
+def test_repeatable(method):
+    """Two calls with the same options (and generator seed) give identical outputs."""
+    q, k, v = qkv(2, 2, 11, 8)
+    torch.testing.assert_close(run_method(method, q, k, v), run_method(method, q, k, v), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", STOCHASTIC_METHODS)
+def test_stochastic_generator(name):
+    """A stochastic method takes ``generator``: same seed, same output; another seed, another
+    output (under :data:`conftest.SAMPLING_OPTIONS`, for methods that sample only in some mode)."""
+    assert "generator" in _info(name).option_defaults()
+    q, k, v = qkv(2, 2, 11, 8)
+    extra = SAMPLING_OPTIONS.get(name, {})
+    a = run_method(name, q, k, v, seed=0, **extra)
+    b = run_method(name, q, k, v, seed=0, **extra)
+    c = run_method(name, q, k, v, seed=1, **extra)
+    assert torch.equal(a, b)
+    assert not torch.allclose(a, c, rtol=1e-3, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- complexity
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", LINEAR_METHODS)
+def test_long_sequence_linear_memory(name, causal):
+    """Linear-complexity methods never form an N x M matrix: N = 131072 (B=1, H=1, D=32)
+    forward and backward in float32, where one N x N matrix would be 64 GiB. Finite outputs
+    and gradients."""
+    _skip_unless(name, causal=causal)
+    n = 131072
+    q, k, v = qkv(1, 1, n, 32, dtype=torch.float32, requires_grad=True)
+    out = subquad.attention(q, k, v, method=name, causal=causal, **long_options(name))
+    assert out.shape == (1, 1, n, 32)
+    assert torch.isfinite(out).all()
+    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    grads = torch.autograd.grad(out, (q, k, v), cotangent, allow_unused=True)
+    del out, cotangent
+    for arg, g in zip("qkv", grads):
+        assert g is not None, f"no gradient for {arg}"
+        assert torch.isfinite(g).all(), f"non-finite gradient for {arg}"
+
+
+def test_method_lists_are_consistent():
+    """The generic sweep sees every attention method, and method_options builds valid options
+    for each of them."""
+    assert ATTENTION_METHODS == [m.name for m in subquad.list_methods() if m.kind == "attention"]
+    for name in ATTENTION_METHODS:
+        _info(name).make_options(**method_options(name, 8, torch.float64))

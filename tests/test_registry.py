@@ -1,0 +1,208 @@
+"""The method registry: built-in entries and their capabilities, lookups, options, and the
+``subquad.attention`` dispatch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import subquad
+import subquad.ops
+from conftest import ATTENTION_METHODS, method_options, qkv
+from subquad import registry
+
+# name -> (causal, cross_attention, complexity, stochastic)
+BUILT_IN = {
+    "softmax": (True, True, "quadratic", False),
+    "linear": (True, True, "linear", False),
+    "efficient": (False, True, "linear", False),
+    "performer": (True, True, "linear", True),
+    "nystrom": (False, True, "linear", False),
+}
+
+BUILT_IN_OPS = {
+    "softmax": subquad.ops.softmax_attention,
+    "linear": subquad.ops.linear_attention,
+    "efficient": subquad.ops.efficient_attention,
+    "performer": subquad.ops.performer_attention,
+    "nystrom": subquad.ops.nystrom_attention,
+}
+
+BUILT_IN_DEFAULTS = {
+    "softmax": {"dropout_p": 0.0},
+    "linear": {"chunk_size": 64},
+    "efficient": {},
+    "performer": {
+        "num_features": 256,
+        "orthogonal": True,
+        "features": None,
+        "generator": None,
+        "eps": 1e-6,
+        "chunk_size": 64,
+    },
+    "nystrom": {"num_landmarks": 64, "pinv_iterations": 6, "pinv_init": "per_matrix"},
+}
+
+
+@pytest.fixture
+def scratch_registry():
+    """Lets a test register throwaway methods; the registry is restored afterwards."""
+    saved = dict(registry._REGISTRY)
+    yield
+    registry._REGISTRY.clear()
+    registry._REGISTRY.update(saved)
+
+
+@dataclass
+class _NoOptions:
+    pass
+
+
+def test_built_in_methods_are_listed_with_their_capabilities():
+    infos = {m.name: m for m in subquad.list_methods()}
+    assert set(BUILT_IN) <= set(infos)
+    for name, (causal, cross, complexity, stochastic) in BUILT_IN.items():
+        info = infos[name]
+        assert info.kind == "attention"
+        assert info.causal is causal, name
+        assert info.cross_attention is cross, name
+        assert info.complexity == complexity, name
+        assert info.stochastic is stochastic, name
+        assert info.key_padding is True, name
+        assert info.learned_parameters is False, name
+        assert info.op is not None and info.summary
+
+
+def test_list_methods_registration_order_and_get_method():
+    names = [m.name for m in subquad.list_methods()]
+    assert names[:5] == list(BUILT_IN)
+    assert len(names) == len(set(names))
+    for info in subquad.list_methods():
+        assert subquad.get_method(info.name) is info
+        assert info.complexity in ("linear", "quadratic")
+        assert info.kind in ("attention", "mixer")
+
+
+def test_unknown_method_lists_known_names():
+    with pytest.raises(ValueError, match="unknown method 'nope'") as err:
+        subquad.get_method("nope")
+    for name in (m.name for m in subquad.list_methods()):
+        assert repr(name) in str(err.value)
+    q, k, v = qkv(1, 1, 4, 8)
+    with pytest.raises(ValueError, match="known methods are .*'softmax'"):
+        subquad.attention(q, k, v, method="nope")
+
+
+@pytest.mark.parametrize("name", ATTENTION_METHODS)
+def test_unknown_option_names_valid_options(name):
+    info = subquad.get_method(name)
+    q, k, v = qkv(1, 2, 6, 8)
+    with pytest.raises(ValueError, match=rf"{name}.*unknown option.*'not_an_option'") as err:
+        subquad.attention(q, k, v, method=name, not_an_option=1)
+    valid = list(info.option_defaults())
+    message = str(err.value)
+    if valid:
+        for option in valid:
+            assert repr(option) in message
+    else:
+        assert "none" in message
+
+
+@pytest.mark.parametrize("name", list(BUILT_IN_DEFAULTS))
+def test_built_in_option_defaults(name):
+    assert subquad.get_method(name).option_defaults() == BUILT_IN_DEFAULTS[name]
+
+
+@pytest.mark.parametrize("name", ATTENTION_METHODS)
+def test_defaults_are_valid_options(name):
+    """Every option has a default, and the defaults pass the options' own validation."""
+    info = subquad.get_method(name)
+    options = info.make_options(**info.option_defaults())
+    assert options == info.make_options()
+
+
+@pytest.mark.parametrize("name", list(BUILT_IN_OPS))
+def test_attention_dispatches_to_the_op(name):
+    """``subquad.attention(..., method=name)`` equals the op in ``subquad.ops`` (and the
+    registry entry's op), with a mask and without."""
+    assert subquad.get_method(name).op is BUILT_IN_OPS[name]
+    q, k, v = qkv(2, 2, 9, 8, dv=5)
+    mask = torch.zeros(2, 9, dtype=torch.bool)
+    mask[1, 4:] = True
+    for kpm in (None, mask):
+        via_api = subquad.attention(
+            q, k, v, method=name, key_padding_mask=kpm, **method_options(name, 8, q.dtype)
+        )
+        direct = BUILT_IN_OPS[name](q, k, v, key_padding_mask=kpm, **method_options(name, 8, q.dtype))
+        assert torch.equal(via_api, direct)
+
+
+def test_attention_default_method_is_softmax():
+    q, k, v = qkv(1, 2, 6, 8)
+    assert torch.equal(subquad.attention(q, k, v), subquad.ops.softmax_attention(q, k, v))
+
+
+def test_register_twice_raises(scratch_registry):
+    def impl(q, k, v, key_padding_mask, causal, scale):
+        return v
+
+    kwargs = {
+        "options": _NoOptions, "summary": "test", "causal": False, "cross_attention": True, "complexity": "linear",
+    }
+    with pytest.raises(ValueError, match="'softmax' is already registered"):
+        subquad.register_method("softmax", **kwargs)(impl)
+    op = subquad.register_method("_scratch_identity", **kwargs)(impl)
+    assert "_scratch_identity" in [m.name for m in subquad.list_methods()]
+    q, k, v = qkv(1, 2, 6, 8)
+    assert torch.equal(subquad.attention(q, k, v, method="_scratch_identity"), v)
+    assert torch.equal(op(q, k, v), v)
+    with pytest.raises(ValueError, match="'_scratch_identity' is already registered"):
+        subquad.register_method("_scratch_identity", **kwargs)(impl)
+
+
+def test_registered_op_is_checked(scratch_registry):
+    """The op returned by register_method validates inputs and refuses what its flags exclude."""
+
+    def impl(q, k, v, key_padding_mask, causal, scale):
+        return v
+
+    op = subquad.register_method(
+        "_scratch_self", options=_NoOptions, summary="test", causal=False, cross_attention=False,
+        complexity="quadratic", key_padding=False,
+    )(impl)
+    q, k, v = qkv(1, 2, 6, 8)
+    with pytest.raises(NotImplementedError, match="causal=True is supported by"):
+        op(q, k, v, causal=True)
+    with pytest.raises(NotImplementedError, match="key_padding_mask"):
+        op(q, k, v, key_padding_mask=torch.zeros(1, 6, dtype=torch.bool))
+    q2, k2, v2 = qkv(1, 2, 6, 8, m=7)
+    with pytest.raises(ValueError, match="self-attention only"):
+        op(q2, k2, v2)
+    with pytest.raises(ValueError, match="unknown option"):
+        op(q, k, v, anything=1)
+
+
+def test_register_bad_complexity_raises():
+    with pytest.raises(ValueError, match="complexity must be 'linear' or 'quadratic'"):
+        subquad.register_method(
+            "_scratch_bad", options=_NoOptions, summary="", causal=False, cross_attention=True,
+            complexity="cubic",
+        )
+    assert "_scratch_bad" not in [m.name for m in subquad.list_methods()]
+
+
+def test_attention_refuses_a_mixer(scratch_registry):
+    registry.register_mixer(
+        "_scratch_mixer", module=torch.nn.Identity, options=_NoOptions, summary="test", complexity="linear"
+    )
+    info = subquad.get_method("_scratch_mixer")
+    assert info.kind == "mixer" and info.op is None and info.cross_attention is False
+    q, k, v = qkv(1, 2, 6, 8)
+    with pytest.raises(ValueError, match="token mixer"):
+        subquad.attention(q, k, v, method="_scratch_mixer")
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register_mixer(
+            "_scratch_mixer", module=torch.nn.Identity, options=_NoOptions, summary="", complexity="linear"
+        )
