@@ -298,7 +298,9 @@ class MultiheadAttention(nn.Module):
             value = tk if value is key else value.transpose(0, 1)
             query, key = tq, tk
         if key.shape[:2] != value.shape[:2] or key.shape[0] != B:
-            raise ValueError(f"key and value must share batch and length, got {tuple(key.shape)} and {tuple(value.shape)}")
+            raise ValueError(
+                f"key and value must share batch and length, got {tuple(key.shape)} and {tuple(value.shape)}"
+            )
         pad = _as_padding_mask(key_padding_mask, B, S)
         causal = bool(is_causal)
         if attn_mask is not None and not causal:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
 from ..registry import register_method
 from ._masks import compute_dtype, compute_precision, masked_fill_value, no_key_rows

@@ -263,7 +263,7 @@ def _bidirectional_streamed(q, k, v, w, scale, key_padding_mask, eps):
 
 def performer_attention_reference(q, k, v, features, key_padding_mask=None, causal=False, scale=None):
     """Slow, obvious reference: unstabilised features and the explicit ``(N, M)`` matrix."""
-    from .linear import _safe_den, kernel_attention_reference
+    from .linear import kernel_attention_reference
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     phi_q = performer_features(q, features, kind="raw", scale=scale)
