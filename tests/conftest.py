@@ -31,6 +31,8 @@ GENERIC_OPTIONS: dict[str, dict[str, Any] | Callable[[int, torch.dtype], dict[st
     # a modest feature count; small chunks so causal tests cross several chunk boundaries
     "performer": {"num_features": 64, "chunk_size": 4},
     "linear": {"chunk_size": 4},
+    # small blocks, so the tiny test lengths hold several blocks and the sorting runs
+    "sinkhorn": {"block_size": 4},
 }
 
 # Options under which a stochastic method actually samples, for the test that a different
@@ -38,6 +40,7 @@ GENERIC_OPTIONS: dict[str, dict[str, Any] | Callable[[int, torch.dtype], dict[st
 # uses omega = mu, deterministic by design).
 SAMPLING_OPTIONS: dict[str, dict[str, Any]] = {
     "lara": {"training": True},
+    "sinkhorn": {"training": True},  # Gumbel noise
 }
 
 # Overrides for the long-sequence test (N = 131072). Empty by default: that test runs each

@@ -27,6 +27,8 @@ class MethodInfo:
     ``"mixer"`` (a token mixer on ``x`` ``(B, N, C)`` with no q/k/v, such as Hamburger; its
     ``nn.Module`` class is ``module`` and ``op`` is None).
     ``complexity`` is ``"linear"`` (nothing of size N x M is formed) or ``"quadratic"``.
+    ``stochastic`` is True when the op can draw randomness (it then takes ``generator``; its
+    default mode may still be deterministic, as LARA's and Sinkhorn's eval modes are).
     ``learned_parameters`` is True when the method's module owns parameters beyond the
     q/k/v/out projections (a sort network, landmark networks).
     """

@@ -276,7 +276,10 @@ def test_encoder_layer_eval_calls_our_module(method, no_grad, monkeypatch):
         torch.manual_seed(1)
         out = layer(X, src_key_padding_mask=PAD)
     real = ~PAD[..., None]
-    tol = 1e-5 if method == "softmax" else 0.0
+    # softmax may take torch's fused kernel; other methods run our code, where SDPA may still pick
+    # another kernel with grad enabled (rounding only). Replacing any of them with exact attention
+    # would change the output far beyond these tolerances.
+    tol = 1e-5 if method == "softmax" else 1e-6
     torch.testing.assert_close(torch.where(real, out, 0.0), torch.where(real, expected, 0.0), rtol=tol, atol=tol)
     # torch's fused path is allowed for exact attention only
     assert bool(fused_calls) == (method == "softmax" and no_grad)

@@ -9,6 +9,9 @@ from .linear import linear_attention
 from .efficient import efficient_attention
 from .performer import performer_attention, random_projection
 from .nystrom import nystrom_attention
+from .randomized import lara_attention, ra_attention
+from .sinkhorn import sinkhorn_attention
+from .decomposition import cd, factorize, nmf, vq
 
 __all__ = [
     "softmax_attention",
@@ -17,4 +20,11 @@ __all__ = [
     "performer_attention",
     "random_projection",
     "nystrom_attention",
+    "ra_attention",
+    "lara_attention",
+    "sinkhorn_attention",
+    "nmf",
+    "vq",
+    "cd",
+    "factorize",
 ]
