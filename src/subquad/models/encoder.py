@@ -1,0 +1,237 @@
+"""A small sequence-classification encoder whose token mixer is any registered method.
+
+``tokens (B, N)`` -> token embedding + positions (learned or sinusoidal) -> ``depth`` pre-LN
+blocks ``x + Dropout(mixer(LN(x)))``, ``x + FFN(LN(x))`` -> final LN -> mean over real tokens
+-> classifier. The key padding mask (True = padding) reaches every mixer; padded positions never
+influence real ones, and pooling averages real tokens only.
+
+:func:`build_mixer` is the one place that turns a method name and its options into a module:
+attention methods (``kind == "attention"``) become :class:`subquad.MultiheadAttention`
+self-attention, token mixers (``kind == "mixer"``, e.g. Hamburger) are built by their registered
+module class. A method registered later plugs in with no change here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..layers.attention import MultiheadAttention
+from ..registry import get_method
+
+__all__ = [
+    "build_mixer",
+    "supports_attention_dropout",
+    "AttentionMixer",
+    "EncoderBlock",
+    "Encoder",
+    "sinusoidal_positions",
+    "cross_entropy",
+]
+
+POSITIONS = ("learned", "sinusoidal")
+
+
+class AttentionMixer(nn.Module):
+    """Self-attention as a token mixer: ``forward(x (B, N, C), key_padding_mask (B, N))``."""
+
+    def __init__(self, attention: MultiheadAttention):
+        super().__init__()
+        self.attention = attention
+
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        return self.attention(x, x, x, key_padding_mask=key_padding_mask, need_weights=False)[0]
+
+
+def build_mixer(method: str, dim: int, heads: int, *, attention_dropout: float = 0.0, device=None,
+                dtype=None, **options: Any) -> nn.Module:
+    """A token mixer ``(B, N, dim) -> (B, N, dim)`` for any registered method.
+
+    ``forward(x, key_padding_mask=None)`` with ``key_padding_mask`` bool ``(B, N)``, True =
+    padding. ``options`` are the method's options (its op options and, for attention, its
+    core's module options such as Nyström's ``conv_kernel_size``). ``attention_dropout`` is
+    dropout on attention weights; only a method that forms the weights (``softmax``) has it,
+    elsewhere a non-zero value is a ValueError (see :func:`supports_attention_dropout`).
+    Unknown methods or options raise ValueError naming what is allowed.
+    """
+    info = get_method(method)
+    factory = {"device": device, "dtype": dtype}
+    if info.kind == "attention":
+        if attention_dropout and not supports_attention_dropout(method):
+            raise ValueError(f"attention_dropout={attention_dropout} needs attention weights, which method "
+                             f"{method!r} never forms; use attention_dropout=0.0")
+        mha = MultiheadAttention(dim, heads, dropout=attention_dropout, batch_first=True, method=method,
+                                 **factory, **options)
+        return AttentionMixer(mha)
+    if info.kind == "mixer":
+        if attention_dropout:
+            raise ValueError(f"method {method!r} is a token mixer without attention weights; "
+                             "use attention_dropout=0.0")
+        if info.module is None:  # pragma: no cover - register_mixer always sets it
+            raise ValueError(f"mixer {method!r} has no module")
+        info.make_options(**options)  # unknown or out-of-range options: a clear error now
+        return info.module(dim, heads, **factory, **options)
+    raise ValueError(f"method {method!r} has unknown kind {info.kind!r}")
+
+
+def supports_attention_dropout(method: str) -> bool:
+    """Whether ``method`` has dropout on attention weights (only exact ``softmax``)."""
+    return get_method(method).kind == "attention" and method == "softmax"
+
+
+def sinusoidal_positions(length: int, dim: int) -> Tensor:
+    """Fixed ``(length, dim)`` sin/cos positions (Vaswani et al.), float32: feature pairs
+    ``(sin, cos)`` of ``pos / 10000^(2i/dim)``."""
+    pos = torch.arange(length, dtype=torch.float64)[:, None]
+    freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float64) * (-math.log(10000.0) / dim))
+    out = torch.zeros(length, dim, dtype=torch.float64)
+    out[:, 0::2] = torch.sin(pos * freq)
+    out[:, 1::2] = torch.cos(pos * freq)[:, : dim // 2]
+    return out.float()
+
+
+class EncoderBlock(nn.Module):
+    """Pre-LN block: ``x + Dropout(mixer(LN(x), mask))`` then ``x + FFN(LN(x))`` with
+    ``FFN = Linear(dim, ffn_dim), GELU, Dropout, Linear(ffn_dim, dim), Dropout``."""
+
+    def __init__(self, mixer: nn.Module, dim: int, ffn_dim: int, dropout: float, device=None, dtype=None):
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.norm1 = nn.LayerNorm(dim, **factory)
+        self.mixer = mixer
+        self.dropout1 = nn.Dropout(dropout)
+        self.norm2 = nn.LayerNorm(dim, **factory)
+        self.ffn = nn.Sequential(
+            nn.Linear(dim, ffn_dim, **factory),
+            nn.GELU(),
+            nn.Dropout(dropout),
+            nn.Linear(ffn_dim, dim, **factory),
+            nn.Dropout(dropout),
+        )
+
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        x = x + self.dropout1(self.mixer(self.norm1(x), key_padding_mask=key_padding_mask))
+        return x + self.ffn(self.norm2(x))
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _dropout(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+
+
+class Encoder(nn.Module):
+    """Encoder for sequence classification with any registered token mixer.
+
+    Args:
+        vocab_size: token ids are ``0 .. vocab_size - 1`` (the padding id is the caller's; the
+            mask says which positions are padding).
+        num_classes: size of the output.
+        method: a name from :func:`subquad.list_methods` (attention or mixer).
+        method_options: that method's options (see :func:`build_mixer`).
+        dim, depth, heads, ffn_dim: model width, number of blocks, heads, FFN width.
+        max_len: longest input (size of the learned position table).
+        positions: ``"learned"`` (``N(0, 0.02)`` table) or ``"sinusoidal"`` (fixed).
+        dropout: on embeddings, mixer output and FFN. attention_dropout: on attention weights
+            (``softmax`` only).
+        head_hidden: classifier ``Linear(dim, head_hidden), ReLU, Linear(head_hidden, classes)``;
+            0 for a single ``Linear(dim, classes)``.
+
+    ``forward(tokens (B, N) int64, key_padding_mask (B, N) bool | None)`` -> logits ``(B, classes)``.
+    A row with no real token pools to zeros.
+    """
+
+    def __init__(self, vocab_size: int, num_classes: int, *, method: str = "softmax",
+                 method_options: dict[str, Any] | None = None, dim: int = 64, depth: int = 2, heads: int = 2,
+                 ffn_dim: int = 128, max_len: int = 2048, positions: str = "learned", dropout: float = 0.1,
+                 attention_dropout: float = 0.0, head_hidden: int = 128, device=None, dtype=None):
+        super().__init__()
+        for name, value in (("vocab_size", vocab_size), ("num_classes", num_classes), ("dim", dim),
+                            ("depth", depth), ("heads", heads), ("ffn_dim", ffn_dim), ("max_len", max_len)):
+            _positive_int(name, value)
+        if isinstance(head_hidden, bool) or not isinstance(head_hidden, int) or head_hidden < 0:
+            raise ValueError(f"head_hidden must be a non-negative int, got {head_hidden!r}")
+        if dim % heads:
+            raise ValueError(f"dim ({dim}) must be divisible by heads ({heads})")
+        if positions not in POSITIONS:
+            raise ValueError(f"positions must be one of {list(POSITIONS)}, got {positions!r}")
+        _dropout("dropout", dropout)
+        _dropout("attention_dropout", attention_dropout)
+        if method_options is not None and not isinstance(method_options, dict):
+            raise TypeError(f"method_options must be a dict, got {type(method_options).__name__}")
+        factory = {"device": device, "dtype": dtype}
+        self.method = method
+        self.method_options = dict(method_options or {})
+        self.max_len = max_len
+        self.positions = positions
+        self.token_embedding = nn.Embedding(vocab_size, dim, **factory)
+        nn.init.normal_(self.token_embedding.weight, std=0.02)
+        if positions == "learned":
+            self.position_embedding = nn.Parameter(torch.empty(max_len, dim, **factory))
+            nn.init.normal_(self.position_embedding, std=0.02)
+        else:
+            table = sinusoidal_positions(max_len, dim)
+            table = table.to(device=device, dtype=dtype or torch.get_default_dtype())
+            self.register_buffer("position_embedding", table, persistent=False)
+        self.embed_dropout = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(
+            EncoderBlock(build_mixer(method, dim, heads, attention_dropout=attention_dropout, **factory,
+                                     **self.method_options), dim, ffn_dim, dropout, **factory)
+            for _ in range(depth)
+        )
+        self.norm = nn.LayerNorm(dim, **factory)
+        if head_hidden:
+            self.head = nn.Sequential(nn.Linear(dim, head_hidden, **factory), nn.ReLU(),
+                                      nn.Linear(head_hidden, num_classes, **factory))
+        else:
+            self.head = nn.Linear(dim, num_classes, **factory)
+
+    def encode(self, tokens: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        """Token states ``(B, N, dim)`` after the final LayerNorm (padded rows are meaningless)."""
+        integer = (torch.int64, torch.int32)
+        if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.dtype not in integer:
+            what = (f"{tokens.dtype} {tuple(tokens.shape)}" if isinstance(tokens, Tensor)
+                    else type(tokens).__name__)
+            raise ValueError(f"tokens must be an integer tensor (B, N), got {what}")
+        n = tokens.shape[1]
+        if n > self.max_len:
+            raise ValueError(f"sequence length {n} exceeds max_len={self.max_len}")
+        if key_padding_mask is not None:
+            if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
+                raise TypeError("key_padding_mask must be a bool tensor (True = padding)")
+            if key_padding_mask.shape != tokens.shape:
+                raise ValueError(f"key_padding_mask must have the shape of tokens {tuple(tokens.shape)}, "
+                                 f"got {tuple(key_padding_mask.shape)}")
+        x = self.token_embedding(tokens) + self.position_embedding[:n]
+        x = self.embed_dropout(x)
+        for block in self.blocks:
+            x = block(x, key_padding_mask)
+        return self.norm(x)
+
+    def pool(self, states: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+        """Mean of ``states (B, N, C)`` over real tokens -> ``(B, C)``."""
+        if key_padding_mask is None:
+            return states.mean(dim=1)
+        total = states.masked_fill(key_padding_mask[:, :, None], 0.0).sum(dim=1)
+        count = (~key_padding_mask).sum(dim=1, keepdim=True).clamp_min(1).to(states.dtype)
+        return total / count
+
+    def forward(self, tokens: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        return self.head(self.pool(self.encode(tokens, key_padding_mask), key_padding_mask))
+
+    def extra_repr(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.method_options.items())
+        return f"method={self.method!r}" + (f", {opts}" if opts else "") + f", positions={self.positions!r}"
+
+
+def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean cross-entropy in float32 (logits may be half precision under autocast)."""
+    return F.cross_entropy(logits.float(), labels)

@@ -1,0 +1,118 @@
+"""torch.distributed set-up for the trainer: one process per device, started by ``torchrun``.
+
+Without ``WORLD_SIZE`` > 1 in the environment everything is a single process and no process
+group is created. Under ``torchrun --nproc_per_node=N`` (``--nnodes`` for several machines) the
+environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) selects
+the process group; the backend is ``nccl`` on CUDA and ``gloo`` on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistributedContext", "setup"]
+
+
+@dataclass
+class DistributedContext:
+    """Where this process stands: ``rank`` of ``world_size`` (``local_rank`` on its machine),
+    the device it trains on, and whether it created the process group."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None
+    owns_group: bool = False
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        """Sum a few numbers over all processes (float64)."""
+        if not self.distributed:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.tolist()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every process's ``obj``, in rank order."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every process."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.distributed:
+            if self.backend == "nccl":
+                dist.barrier(device_ids=[self.device.index])
+            else:
+                dist.barrier()
+
+    def cleanup(self) -> None:
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self.owns_group = False
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an int, got {value!r}") from None
+
+
+def setup(device: str = "auto") -> DistributedContext:
+    """Create the context (and the process group under ``torchrun``).
+
+    ``device``: ``"auto"`` (CUDA when available, else CPU), ``"cpu"`` or ``"cuda"``. With
+    several processes on CUDA, process ``LOCAL_RANK`` uses ``cuda:LOCAL_RANK``.
+    """
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but CUDA is not available; use device='cpu'")
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"bad torch.distributed environment: RANK={rank}, WORLD_SIZE={world_size}")
+    if use_cuda:
+        dev = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    ctx = DistributedContext(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
+    if world_size > 1:
+        ctx.backend = "nccl" if use_cuda else "gloo"
+        if not dist.is_initialized():
+            kwargs = {"device_id": dev} if use_cuda else {}
+            dist.init_process_group(backend=ctx.backend, **kwargs)
+            ctx.owns_group = True
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise RuntimeError("the process group does not match RANK / WORLD_SIZE in the environment")
+    return ctx

@@ -1,0 +1,587 @@
+"""Train the encoder on LRA ListOps with any registered method, on one process or many.
+
+:func:`train` runs one configuration (:class:`TrainConfig`) end to end: load the splits,
+build :class:`subquad.models.Encoder`, AdamW with warm-up and decay, validation every
+``eval_every`` steps, test accuracy at the end in the same process (for the final model and for
+the best-validation model), metrics to ``metrics.csv`` (and TensorBoard when installed),
+checkpoints every ``checkpoint_every`` steps, and ``results.json``.
+
+Defaults are the Nyströmformer LRA ListOps configuration (preset ``"nystromformer"``); the
+original LRA configuration is preset ``"lra"``. See :data:`PRESETS`.
+
+Resuming (``resume=True``) restores model, optimizer, scheduler, step, the RNG states of every
+process and the data position from ``OUT/checkpoint.pt``, so a run that was killed and resumed
+ends with the same parameters as one that never stopped (same device, threads and world size).
+
+Under ``torchrun --nproc_per_node=N`` the same call trains with DistributedDataParallel:
+``batch_size`` is the global batch, split evenly over the processes; each process reads its
+shard of every batch (:class:`ShardedBatchSampler`); only rank 0 writes files.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import dataclasses
+import json
+import math
+import os
+import random
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ..models.encoder import Encoder, cross_entropy, supports_attention_dropout
+from ..registry import get_method
+from ..tasks import listops
+from . import checkpoint as ckpt
+from .distributed import DistributedContext, setup
+from .sampler import ShardedBatchSampler
+
+__all__ = ["TrainConfig", "PRESETS", "train", "lr_factor", "TRAJECTORY_FIELDS"]
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.csv"
+RESULTS = "results.json"
+FINAL_MODEL = "model.pt"
+METRIC_COLUMNS = ("step", "split", "loss", "accuracy", "samples", "lr", "samples_per_s", "tokens_per_s",
+                  "elapsed_s")
+
+# Nyströmformer's PyTorch LRA ListOps config (mlpen/Nystromformer LRA/code/lra_config.py, run_tasks.py):
+# AdamW(0.9, 0.999, eps 1e-6), warm-up then linear decay, MLP classifier head, attention dropout
+# on softmax only (their other attentions have none).
+# LRA's own ListOps config (google-research/long-range-arena HEAD): Adam(0.9, 0.98, eps 1e-9) with
+# decoupled weight decay 0.1, lr 0.05 * min(1, step / 1000) / sqrt(max(step, 1000)), fixed
+# sinusoidal positions, a single Dense classifier.
+PRESETS: dict[str, dict[str, Any]] = {
+    "nystromformer": dict(layers=2, dim=64, heads=2, ffn_dim=128, positions="learned", dropout=0.1,
+                          attention_dropout=0.1, head_hidden=128, batch_size=32, lr=1e-4, warmup_steps=1000,
+                          schedule="linear", steps=5000, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-6,
+                          pad_to=2048, eval_every=50),
+    "lra": dict(layers=4, dim=512, heads=8, ffn_dim=1024, positions="sinusoidal", dropout=0.1,
+                attention_dropout=0.1, head_hidden=0, batch_size=32, lr=0.05, warmup_steps=1000,
+                schedule="rsqrt", steps=5000, weight_decay=0.1, betas=(0.9, 0.98), eps=1e-9, pad_to=2000,
+                eval_every=50),
+}
+SCHEDULES = ("linear", "rsqrt", "constant")
+
+# Fields that determine the training trajectory: a resumed run must agree on all of them.
+TRAJECTORY_FIELDS = ("task", "method", "method_options", "layers", "dim", "heads", "ffn_dim", "positions",
+                     "dropout", "attention_dropout", "head_hidden", "batch_size", "lr", "warmup_steps",
+                     "schedule", "steps", "weight_decay", "betas", "eps", "grad_clip", "pad_to", "seed",
+                     "amp", "dtype")
+
+
+@dataclass
+class TrainConfig:
+    """One training run. Model/optimizer defaults are preset ``"nystromformer"``.
+
+    ``batch_size`` is the global batch (all processes together). ``attention_dropout`` applies
+    only to methods with attention weights (``softmax``); for others it is recorded as 0.
+    ``eval_samples`` limits validation to the first N validation samples (None: all); the test
+    set is always evaluated in full. ``steps`` counts optimizer updates. ``max_minutes`` stops
+    this process (after writing a checkpoint) once that much wall time has passed; ``resume``
+    then continues the same run, so a long run can be done in slices.
+    """
+
+    method: str = "softmax"
+    method_options: dict[str, Any] = field(default_factory=dict)
+    task: str = "listops"
+    data_dir: str = "out/data/listops"
+    out_dir: str = "out/listops/run"
+    preset: str = "nystromformer"
+    layers: int = 2
+    dim: int = 64
+    heads: int = 2
+    ffn_dim: int = 128
+    positions: str = "learned"
+    dropout: float = 0.1
+    attention_dropout: float = 0.1
+    head_hidden: int = 128
+    batch_size: int = 32
+    lr: float = 1e-4
+    warmup_steps: int = 1000
+    schedule: str = "linear"
+    steps: int = 5000
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-6
+    grad_clip: float | None = None
+    pad_to: int = 2048
+    eval_every: int = 50
+    eval_samples: int | None = None
+    checkpoint_every: int = 500
+    log_every: int = 50
+    seed: int = 0
+    threads: int | None = None
+    device: str = "auto"
+    amp: str = "none"
+    dtype: str = "float32"
+    resume: bool = False
+    max_minutes: float | None = None
+    progress: bool | None = None
+    tensorboard: bool | None = None
+
+    @classmethod
+    def from_preset(cls, preset: str = "nystromformer", **overrides: Any) -> "TrainConfig":
+        """The preset's values, then ``overrides`` (None values are ignored)."""
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; presets are {sorted(PRESETS)}")
+        values = dict(PRESETS[preset])
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(preset=preset, **values)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["betas"] = list(self.betas)
+        return out
+
+    def validate(self) -> None:
+        """ValueError/TypeError naming the first bad field."""
+        if self.task != "listops":
+            raise ValueError(f"task must be 'listops', got {self.task!r}")
+        get_method(self.method)  # unknown method: ValueError listing the known ones
+        if not isinstance(self.method_options, dict):
+            raise TypeError(f"method_options must be a dict, got {type(self.method_options).__name__}")
+        for name in ("layers", "dim", "heads", "ffn_dim", "batch_size", "steps", "pad_to", "eval_every",
+                     "checkpoint_every", "log_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("warmup_steps", "seed", "head_hidden"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        n = self.eval_samples
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
+            raise ValueError(f"eval_samples must be a positive int or None, got {self.eval_samples!r}")
+        if self.max_minutes is not None and not (isinstance(self.max_minutes, (int, float))
+                                                 and self.max_minutes > 0):
+            raise ValueError(f"max_minutes must be a positive number or None, got {self.max_minutes!r}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads <= 0):
+            raise ValueError(f"threads must be a positive int or None, got {self.threads!r}")
+        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
+            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
+        for name in ("weight_decay",):
+            if not (isinstance(getattr(self, name), (int, float)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("dropout", "attention_dropout"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0 <= v < 1):
+                raise ValueError(f"{name} must be in [0, 1), got {v!r}")
+        clip = self.grad_clip
+        if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
+            raise ValueError(f"grad_clip must be a positive number or None, got {self.grad_clip!r}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        if not self.eps > 0:
+            raise ValueError(f"eps must be > 0, got {self.eps!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
+        if self.amp not in ("none", "bf16"):
+            raise ValueError(f"amp must be 'none' or 'bf16', got {self.amp!r}")
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
+        if self.amp != "none" and self.dtype != "float32":
+            raise ValueError("amp needs dtype='float32'")
+        if self.dim % self.heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads})")
+
+
+def lr_factor(step: int, *, warmup: int, total: int, schedule: str) -> float:
+    """Multiplier of the base learning rate for update ``step`` (1-based).
+
+    ``linear``: ``step / warmup`` up to ``warmup``, then linear decay reaching ``1 / (total -
+    warmup + 1)`` at the last update. ``rsqrt`` (LRA): ``min(1, step / warmup) / sqrt(max(step,
+    warmup))``. ``constant``: linear warm-up, then 1.
+    """
+    warm = min(1.0, step / warmup) if warmup > 0 else 1.0
+    if schedule == "rsqrt":
+        return warm / math.sqrt(max(step, warmup, 1))
+    if schedule == "constant" or step <= warmup:
+        return warm
+    return max(0.0, (total - step + 1) / (total - warmup + 1))
+
+
+class _MetricsWriter:
+    """``metrics.csv`` (one row per log / evaluation) and, if installed, TensorBoard."""
+
+    def __init__(self, out_dir: Path, *, resume_step: int | None, tensorboard: bool | None):
+        self.path = out_dir / METRICS
+        rows = []
+        if resume_step is not None and self.path.is_file():
+            with open(self.path, newline="") as f:
+                rows = [r for r in csv.DictReader(f)
+                        if int(r["step"]) <= resume_step and r["split"] in ("train", "val")]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w", newline="") as f:  # keep only what the checkpoint has seen
+            writer = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, self.path)
+        self.file = open(self.path, "a", newline="")
+        self.writer = csv.DictWriter(self.file, fieldnames=METRIC_COLUMNS)
+        self.tb = None
+        if tensorboard is not False:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                if tensorboard:
+                    raise ValueError("tensorboard=True but the tensorboard package is not installed "
+                                     "(pip install 'subquad[train]')") from None
+            else:
+                purge = None if resume_step is None else resume_step + 1
+                self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=purge)
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.writer.writerow({k: row.get(k, "") for k in METRIC_COLUMNS})
+        self.file.flush()
+        if self.tb is not None:
+            for key in ("loss", "accuracy", "lr", "samples_per_s"):
+                if row.get(key) not in (None, ""):
+                    self.tb.add_scalar(f"{row['split']}/{key}", float(row[key]), int(row["step"]))
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+class _Progress:
+    """tqdm bar when available (and wanted), else a plain line every ``log_every`` steps."""
+
+    def __init__(self, enabled: bool, use_tqdm: bool | None, total: int, initial: int):
+        self.enabled = enabled
+        self.bar = None
+        if enabled and use_tqdm is not False:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:
+                tqdm = None
+            if tqdm is not None:
+                interactive = sys.stderr.isatty()
+                self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+                                mininterval=0.5 if interactive else 30.0)
+
+    def update(self, step: int, info: dict[str, Any], plain: bool) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(info, refresh=False)
+        elif plain:
+            print(f"step {step}: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
+
+    def write(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % (1 << 32))
+    random.seed(seed)
+
+
+def _build_model(cfg: TrainConfig, device: torch.device) -> tuple[Encoder, float]:
+    attn_dropout = cfg.attention_dropout if supports_attention_dropout(cfg.method) else 0.0
+    dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
+    model = Encoder(listops.VOCAB_SIZE, listops.NUM_CLASSES, method=cfg.method,
+                    method_options=cfg.method_options, dim=cfg.dim, depth=cfg.layers, heads=cfg.heads,
+                    ffn_dim=cfg.ffn_dim, max_len=cfg.pad_to,
+                    positions=cfg.positions, dropout=cfg.dropout, attention_dropout=attn_dropout,
+                    head_hidden=cfg.head_hidden, device=device, dtype=dtype)
+    return model, attn_dropout
+
+
+@torch.no_grad()
+def _evaluate(model: torch.nn.Module, data: listops.ListOpsDataset, indices: np.ndarray, batch_size: int,
+              cfg: TrainConfig, ctx: DistributedContext) -> tuple[float, float, int]:
+    """Mean loss, accuracy and count over ``indices``, sharded over processes. Runs in eval
+    mode under a forked, fixed RNG, so it is reproducible and leaves the training RNG as is."""
+    was_training = model.training
+    model.eval()
+    shard = indices[ctx.rank::ctx.world_size]
+    loss_sum = correct = 0.0
+    devices = [ctx.device.index] if ctx.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(cfg.seed + 12345)
+        for a in range(0, len(shard), batch_size):
+            tokens, pad, labels = data.batch(shard[a:a + batch_size], cfg.pad_to)
+            tokens, pad, labels = tokens.to(ctx.device), pad.to(ctx.device), labels.to(ctx.device)
+            with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16"):
+                logits = model(tokens, pad)
+            loss_sum += torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum").item()
+            correct += (logits.argmax(-1) == labels).sum().item()
+    loss_sum, correct, count = ctx.all_reduce_sum([loss_sum, correct, float(len(shard))])
+    model.train(was_training)
+    count = int(round(count))
+    return loss_sum / max(count, 1), correct / max(count, 1), count
+
+
+def _atomic_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _check_resume_config(saved: dict[str, Any], cfg: TrainConfig, world_size: int, saved_world: int) -> None:
+    now = cfg.to_dict()
+    diff = [k for k in TRAJECTORY_FIELDS if _normal(saved.get(k)) != _normal(now.get(k))]
+    if diff:
+        detail = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {now.get(k)!r}" for k in diff)
+        raise ValueError(f"cannot resume: the checkpoint was written by a different configuration ({detail})")
+    if saved_world != world_size:
+        raise ValueError(f"cannot resume: the checkpoint was written by {saved_world} process(es), "
+                         f"this run has {world_size}")
+
+
+def _normal(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_normal(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _normal(v) for k, v in sorted(value.items())}
+    return value
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Run ``cfg``; returns the results dict (also written to ``OUT/results.json`` by rank 0)."""
+    cfg.validate()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    ctx = setup(cfg.device)
+    try:
+        return _train(cfg, ctx)
+    finally:
+        ctx.cleanup()
+
+
+def _train(cfg: TrainConfig, ctx: DistributedContext) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    out_dir = Path(cfg.out_dir)
+    ckpt_path = out_dir / CHECKPOINT
+    if cfg.batch_size % ctx.world_size:
+        raise ValueError(f"batch_size ({cfg.batch_size}) must be divisible by the number of processes "
+                         f"({ctx.world_size})")
+    local_batch = cfg.batch_size // ctx.world_size
+    resume_state = None
+    if ckpt_path.is_file():
+        if not cfg.resume:
+            raise ValueError(f"{str(ckpt_path)!r} exists: pass resume=True (--resume) to continue that run, "
+                             "or choose another output directory")
+        resume_state = ckpt.load(ckpt_path, map_location="cpu")
+        _check_resume_config(resume_state["config"], cfg, ctx.world_size, resume_state["world_size"])
+    main = ctx.is_main
+    say = print if main else (lambda *a, **k: None)
+
+    # ---- data
+    splits = listops.load_splits(cfg.data_dir)
+    train_data = listops.ListOpsDataset(splits["train"])
+    val_data = listops.ListOpsDataset(splits["val"])
+    test_data = listops.ListOpsDataset(splits["test"])
+    majority_class, majority_acc = listops.majority_baseline(splits["train"].labels, splits["test"].labels)
+    _, majority_val = listops.majority_baseline(splits["train"].labels, splits["val"].labels)
+    too_long = int((splits["train"].lengths() > cfg.pad_to).sum())
+    val_idx = np.arange(len(val_data) if cfg.eval_samples is None else min(cfg.eval_samples, len(val_data)))
+    test_idx = np.arange(len(test_data))
+
+    # ---- model, optimizer, schedule
+    _seed_all(cfg.seed)
+    model, attn_dropout = _build_model(cfg, ctx.device)
+    n_params = sum(p.numel() for p in model.parameters())
+    net: torch.nn.Module = model
+    if ctx.distributed:
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        net = DistributedDataParallel(model, device_ids=device_ids)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                                  weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda e: lr_factor(e + 1, warmup=cfg.warmup_steps, total=cfg.steps, schedule=cfg.schedule))
+    sampler = ShardedBatchSampler(len(train_data), local_batch, world_size=ctx.world_size, rank=ctx.rank,
+                                  seed=cfg.seed)
+    _seed_all(cfg.seed + 1 + ctx.rank)  # training randomness (dropout, stochastic methods), per process
+
+    step = 0
+    best = {"accuracy": -1.0, "step": 0}
+    best_state = None
+    window = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "tokens": 0.0, "seconds": 0.0}
+    elapsed_before = 0.0
+    if resume_state is not None:
+        model.load_state_dict(resume_state["model"])
+        optimizer.load_state_dict(resume_state["optimizer"])
+        scheduler.load_state_dict(resume_state["scheduler"])
+        sampler.load_state_dict(resume_state["sampler"])
+        ckpt.set_rng_state(resume_state["rng"][ctx.rank])
+        step = int(resume_state["step"])
+        best = dict(resume_state["best"])
+        best_state = resume_state.get("best_model")
+        window = dict(resume_state["window"])
+        elapsed_before = float(resume_state["elapsed_s"])
+        say(f"resuming {out_dir} from step {step}", flush=True)
+
+    metrics = None
+    if main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        metrics = _MetricsWriter(out_dir, resume_step=step if resume_state is not None else None,
+                                 tensorboard=cfg.tensorboard)
+    train_dist = listops.label_distribution(splits["train"].labels)
+    say(f"listops: {len(train_data)} train / {len(val_data)} val / {len(test_data)} test; majority class "
+        f"{majority_class} = {100 * majority_acc:.2f}% of test; train labels "
+        + " ".join(f"{c}:{100 * p:.1f}%" for c, p in enumerate(train_dist)), flush=True)
+    if too_long:
+        say(f"note: {too_long} training sequences are longer than pad_to={cfg.pad_to} and are truncated")
+    opts = ", ".join(f"{k}={v!r}" for k, v in cfg.method_options.items())
+    say(f"model: method={cfg.method}" + (f" ({opts})" if opts else "")
+        + f", {cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, ffn {cfg.ffn_dim}, "
+        f"{n_params} parameters; attention dropout {attn_dropout}; "
+        f"{ctx.world_size} process(es) on {ctx.device}, batch {cfg.batch_size} ({local_batch} per process)",
+        flush=True)
+
+    def log_row(split: str, s: int, loss: float, acc: float, samples: int, **extra: Any) -> None:
+        if metrics is None:
+            return
+        row = {"step": s, "split": split, "loss": f"{loss:.6f}", "accuracy": f"{acc:.6f}", "samples": samples,
+               "elapsed_s": f"{elapsed_before + time.perf_counter() - t_start:.1f}"}
+        row.update({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in extra.items()})
+        metrics.write(row)
+
+    def save_checkpoint(s: int) -> None:
+        rng_states = ctx.all_gather_object(ckpt.rng_state())
+        if main:
+            ckpt.save_atomic({
+                "format": 1, "step": s, "config": cfg.to_dict(), "world_size": ctx.world_size,
+                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(), "rng": rng_states,
+                "best": best, "best_model": best_state, "window": window,
+                "elapsed_s": elapsed_before + time.perf_counter() - t_start,
+            }, ckpt_path)
+        ctx.barrier()
+
+    progress = _Progress(main and cfg.progress is not False, cfg.progress, cfg.steps, step)
+    net.train()
+    while step < cfg.steps:
+        t0 = time.perf_counter()
+        tokens, pad, labels = train_data.batch(next(sampler), cfg.pad_to)
+        tokens, pad, labels = tokens.to(ctx.device), pad.to(ctx.device), labels.to(ctx.device)
+        with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16"):
+            logits = net(tokens, pad)
+        loss = cross_entropy(logits, labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        lr = optimizer.param_groups[0]["lr"]
+        scheduler.step()
+        step += 1
+        if not math.isfinite(loss.item()):
+            raise FloatingPointError(f"the training loss is {loss.item()} at step {step}")
+        window["loss"] += loss.item() * len(labels)
+        window["correct"] += (logits.argmax(-1) == labels).sum().item()
+        window["samples"] += len(labels)
+        window["tokens"] += (~pad).sum().item()
+        window["seconds"] += time.perf_counter() - t0
+        rate = window["samples"] / max(window["seconds"], 1e-9)
+        info = {"loss": f"{window['loss'] / max(window['samples'], 1):.4f}", "lr": f"{lr:.2e}",
+                "samples/s": f"{rate * ctx.world_size:.1f}"}
+        log_now = step % cfg.log_every == 0 or step == cfg.steps
+        progress.update(step, info, plain=log_now)
+        if log_now:
+            loss_sum, correct, samples, tokens_n, seconds = ctx.all_reduce_sum(
+                [window["loss"], window["correct"], window["samples"], window["tokens"], window["seconds"]])
+            seconds /= ctx.world_size
+            log_row("train", step, loss_sum / samples, correct / samples, int(samples), lr=lr,
+                    samples_per_s=samples / max(seconds, 1e-9), tokens_per_s=tokens_n / max(seconds, 1e-9))
+            window = {k: 0.0 for k in window}
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            v_loss, v_acc, v_n = _evaluate(model, val_data, val_idx, local_batch, cfg, ctx)
+            if v_acc > best["accuracy"]:
+                best = {"accuracy": v_acc, "step": step}
+                best_state = {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
+            log_row("val", step, v_loss, v_acc, v_n)
+            progress.write(f"step {step}: val loss {v_loss:.4f}, accuracy {100 * v_acc:.2f}% "
+                           f"(best {100 * best['accuracy']:.2f}% at step {best['step']})")
+        out_of_time = cfg.max_minutes is not None and time.perf_counter() - t_start > 60 * cfg.max_minutes
+        if cfg.max_minutes is not None and ctx.distributed:  # every process must stop at the same step
+            out_of_time = bool(ctx.all_reduce_sum([float(out_of_time)])[0])
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps or out_of_time:
+            save_checkpoint(step)
+        if out_of_time and step < cfg.steps:
+            progress.close()
+            say(f"stopped at step {step} of {cfg.steps} after {cfg.max_minutes} minutes; the checkpoint is "
+                f"in {ckpt_path}: run again with resume (--resume) to continue", flush=True)
+            if metrics is not None:
+                metrics.close()
+            return {"stopped": True, "step": step, "steps": cfg.steps, "checkpoint": str(ckpt_path)}
+    progress.close()
+    train_seconds = elapsed_before + time.perf_counter() - t_start
+
+    # ---- test, in this process: the final model and the best-validation model
+    t_loss, t_acc, t_n = _evaluate(model, test_data, test_idx, local_batch, cfg, ctx)
+    log_row("test", step, t_loss, t_acc, t_n)
+    best_test = None
+    if best_state is not None and best["step"] != step:
+        final_state = copy.deepcopy(model.state_dict())
+        model.load_state_dict(best_state)
+        b_loss, b_acc, _ = _evaluate(model, test_data, test_idx, local_batch, cfg, ctx)
+        model.load_state_dict(final_state)
+        log_row("test_best_val", step, b_loss, b_acc, t_n)
+        best_test = b_acc
+    else:
+        best_test = t_acc
+    results = {
+        "task": "listops",
+        "method": cfg.method,
+        "method_options": cfg.method_options,
+        "preset": cfg.preset,
+        "steps": step,
+        "test_accuracy": t_acc,
+        "test_loss": t_loss,
+        "test_accuracy_best_val": best_test,
+        "best_val_accuracy": best["accuracy"],
+        "best_val_step": best["step"],
+        "val_samples": int(len(val_idx)),
+        "test_samples": t_n,
+        "majority_class": majority_class,
+        "majority_test_accuracy": majority_acc,
+        "majority_val_accuracy": majority_val,
+        "train_label_distribution": train_dist,
+        "test_label_distribution": listops.label_distribution(splits["test"].labels),
+        "parameters": n_params,
+        "attention_dropout_applied": attn_dropout,
+        "train_seconds": round(train_seconds, 1),
+        "wall_seconds": round(elapsed_before + time.perf_counter() - t_start, 1),
+        "world_size": ctx.world_size,
+        "device": str(ctx.device),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "config": cfg.to_dict(),
+        "command": shlex.join(sys.argv),
+    }
+    if main:
+        final = {"config": cfg.to_dict(), "model": model.state_dict(), "step": step}
+        ckpt.save_atomic(final, out_dir / FINAL_MODEL)
+        _atomic_json(out_dir / RESULTS, results)
+        metrics.close()
+        say(f"test accuracy {100 * t_acc:.2f}% (final model), {100 * best_test:.2f}% (best validation model, "
+            f"step {best['step']}); majority baseline {100 * majority_acc:.2f}%; {step} steps in "
+            f"{train_seconds:.0f} s (+ {results['wall_seconds'] - train_seconds:.0f} s of testing)",
+            flush=True)
+    ctx.barrier()
+    return results
