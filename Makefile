@@ -15,7 +15,8 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) -m subquad.bench.speed --out $(RESULTS)
+	$(PY) -m pip install --quiet -e ".[bench]"
+	$(VENV)/bin/subquad compare --out $(RESULTS)/compare
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

@@ -3,6 +3,9 @@
     python -m subquad.bench.speed                      # N in {1024, 4096, 16384}, B=1, H=8, D=64
     python -m subquad.bench.speed --n 1024 --methods softmax nystrom --out benchmarks/results
 
+The forward-only predecessor of ``subquad compare``, which adds backward time, memory, FLOP
+rates, plots and a recommendation.
+
 Times are medians of ``torch.utils.benchmark.Timer.blocked_autorange`` using all of torch's
 threads, all measured in one run, so the ratios to ``softmax`` are the numbers to quote (this
 machine is shared and absolute times drift). The error column is the relative Frobenius error
@@ -19,19 +22,14 @@ import time
 from pathlib import Path
 
 import torch
-import torch.utils.benchmark as benchmark
 
 import subquad
+from subquad.bench.timing import median_time
 
 
 def time_forward(method: str, q, k, v, min_run_time: float) -> float:
     """Median seconds of one forward call."""
-    timer = benchmark.Timer(
-        stmt="attention(q, k, v, method=method)",
-        globals={"attention": subquad.attention, "q": q, "k": k, "v": v, "method": method},
-        num_threads=torch.get_num_threads(),
-    )
-    return timer.blocked_autorange(min_run_time=min_run_time).median
+    return median_time(lambda: subquad.attention(q, k, v, method=method), min_run_time).seconds
 
 
 def run(ns, methods, batch=1, heads=8, dim=64, min_run_time=1.0, seed=0, log=print) -> list[dict]:

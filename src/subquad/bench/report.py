@@ -1,0 +1,305 @@
+"""Reports of ``subquad compare``: the console leaderboard, report.md and results.json.
+
+One results document per run (``kind``: ``"compare"``, ``"minilm"`` or ``"peers"``); the same
+document makes the console table, the markdown report and the plots.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["leaderboard_text", "markdown", "write_report", "text_table", "fmt_seconds", "fmt_bytes"]
+
+
+# ---------------------------------------------------------------------------------------------
+# formatting
+# ---------------------------------------------------------------------------------------------
+
+
+def fmt_seconds(s: float | None) -> str:
+    """Milliseconds with three significant digits."""
+    if s is None:
+        return "-"
+    ms = s * 1e3
+    if ms >= 100:
+        return f"{ms:.0f}"
+    return f"{ms:.3g}" if ms >= 1 else f"{ms:.3f}"
+
+
+def fmt_bytes(b: int | None) -> str:
+    """MiB."""
+    if b is None:
+        return "-"
+    mib = b / 2**20
+    return f"{mib:.0f}" if mib >= 100 else f"{mib:.3g}" if mib >= 0.1 else f"{mib:.2f}"
+
+
+def fmt_ratio(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.1f}x" if x >= 1 else f"{x:.2f}x"
+
+
+def fmt_error(e: float | None) -> str:
+    if e is None:
+        return "-"
+    return f"{e:.1e}" if e < 1e-3 else f"{e:.3f}" if e < 10 else f"{e:.3g}"
+
+
+def fmt_rate(r: dict[str, Any]) -> str:
+    if r.get("gflops") is None:
+        return "-"
+    text = f"{r['gflops']:.3g}"
+    if r.get("matmul_fraction") is not None:
+        text += f" ({100 * r['matmul_fraction']:.0f}%)"
+    return text
+
+
+def text_table(headers: list[str], rows: list[list[str]]) -> str:
+    """Columns aligned with spaces (first column left, others right)."""
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+
+    def line(cells):
+        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in
+                         enumerate(zip(cells, widths)))
+
+    return "\n".join([line(headers), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
+
+
+def md_table(headers: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# compare
+# ---------------------------------------------------------------------------------------------
+
+COLUMNS = ["method", "forward ms", "vs exact", "fwd+bwd ms", "vs exact", "peak MiB fwd",
+           "peak MiB fwd+bwd", "rel. error", "GFLOP/s (% matmul)", "status"]
+
+
+def _status(r: dict[str, Any], short: bool) -> str:
+    if r["status"] == "ok":
+        return "ok"
+    parts = [f"{stage}: {msg}" for stage, msg in r["errors"].items()]
+    parts += [n for n in r["notes"] if not n.startswith("token mixer")]
+    if short:
+        word = {"failed": "FAILED", "skipped": "skipped", "partial": "partial"}[r["status"]]
+        return word if not parts else f"{word} ({len(parts)} note{'s' if len(parts) > 1 else ''})"
+    return "; ".join(parts) if parts else r["status"]
+
+
+def _sorted_rows(rows: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    at_n = [r for r in rows if r["n"] == n]
+    timed = sorted((r for r in at_n if r.get("forward_s") is not None), key=lambda r: r["forward_s"])
+    return timed + [r for r in at_n if r.get("forward_s") is None]
+
+
+def _cells(r: dict[str, Any], short: bool) -> list[str]:
+    name = r["method"] + (" (mixer)" if r["kind"] == "mixer" else "")
+    return [name, fmt_seconds(r["forward_s"]), fmt_ratio(r.get("speedup_forward")),
+            fmt_seconds(r["forward_backward_s"]), fmt_ratio(r.get("speedup_forward_backward")),
+            fmt_bytes(r["forward_bytes"]), fmt_bytes(r["forward_backward_bytes"]), fmt_error(r["rel_error"]),
+            fmt_rate(r), _status(r, short)]
+
+
+def _shape_line(res: dict[str, Any]) -> str:
+    c, m = res["config"], res["machine"]
+    where = m.get("gpu") or f"{m['cpu']}, {m['threads']} threads"
+    return (f"B={c['batch']}, H={c['heads']}, D={c['dim']}, {c['dtype']} on {m['device']} ({where}), "
+            f"torch {m['torch']}")
+
+
+def _recommendation_lines(res: dict[str, Any]) -> list[str]:
+    """One sentence per N for --max-error."""
+    what = "forward" if res["config"]["objective"] == "forward" else "forward+backward"
+    lines = []
+    for rec in res["recommendations"]:
+        if rec["method"] is None:
+            lines.append(f"At N={rec['n']} no method stays within relative error {rec['max_error']:g}.")
+        else:
+            lines.append(
+                f"At N={rec['n']} with relative error <= {rec['max_error']:g}, use **{rec['method']}**: "
+                f"{fmt_seconds(rec['seconds'])} ms {what}, {fmt_ratio(rec['speedup'])} vs exact "
+                f"attention, error {fmt_error(rec['rel_error'])}.")
+    return lines
+
+
+def _budget_table(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Per N, the fastest method for every range of error budgets (the Pareto front)."""
+    what = "forward" if res["config"]["objective"] == "forward" else "fwd+bwd"
+    headers = ["N", "error budget E", "fastest method", f"{what} ms", "vs exact", "its error"]
+    body = []
+    for b in res["budgets"]:
+        low, high = fmt_error(b["from_error"]), fmt_error(b["to_error"])
+        if b["method"] == "softmax":  # exact: its error is float rounding, any budget above it
+            budget = "any E" if b["to_error"] is None else f"E < {high}"
+        else:
+            budget = f"E >= {low}" if b["to_error"] is None else f"{low} <= E < {high}"
+        body.append([str(b["n"]), budget, b["method"], fmt_seconds(b["seconds"]), fmt_ratio(b["speedup"]),
+                     fmt_error(b["rel_error"])])
+    return headers, body
+
+
+def leaderboard_text(res: dict[str, Any]) -> str:
+    """The console leaderboard: one table per N, fastest forward first, and the recommendation."""
+    c = res["config"]
+    out = [f"subquad compare: {_shape_line(res)}; relative error vs exact attention (float64), "
+           f"times are medians"]
+    for n in sorted({r["n"] for r in res["rows"]}):
+        rows = _sorted_rows(res["rows"], n)
+        out += ["", f"N = {n}", text_table(COLUMNS, [_cells(r, short=True) for r in rows])]
+    problems = [(r, _status(r, short=False)) for r in res["rows"] if r["status"] != "ok"]
+    if problems:
+        out += ["", "Notes:"] + [f"  N={r['n']} {r['method']}: {text}" for r, text in problems]
+    what = "forward" if c["objective"] == "forward" else "forward+backward"
+    headers, body = _budget_table(res)
+    out += ["", f"Fastest {what} for each range of error budgets E (relative error vs exact):",
+            text_table(headers, body)]
+    if c.get("max_error") is not None:
+        out += [""] + [line.replace("**", "") for line in _recommendation_lines(res)]
+    else:
+        out += ["Pass --max-error E for a single recommendation."]
+    return "\n".join(out)
+
+
+def _columns_explained(res: dict[str, Any]) -> list[str]:
+    c = res["config"]
+    cpu = res["machine"]["device"].startswith("cpu")
+    mem = ("the rise of the process's peak resident memory over its inputs, in a fresh process per point"
+           if cpu else "`torch.cuda.max_memory_allocated` over the inputs")
+    if not c["memory"]:
+        mem = "not measured (--no-memory)"
+    return [
+        "## Columns",
+        "",
+        f"- **forward ms**, **fwd+bwd ms**: median of `torch.utils.benchmark` (`blocked_autorange`, "
+        f"min_run_time {c['min_run_time']:g} s, {res['machine']['threads']} threads); fwd+bwd computes the "
+        "gradients of q, k, v for a fixed random output gradient. **vs exact**: exact attention's time "
+        "divided by the method's, both from this run (quote these ratios; absolute times drift on a "
+        "shared machine).",
+        f"- **peak MiB**: {mem}; forward under `torch.no_grad`.",
+        "- **rel. error**: `|out - exact|_F / |exact|_F` over the whole output, against exact softmax "
+        "attention computed in float64 on the same inputs; stochastic methods use one seeded draw.",
+        "- **GFLOP/s**: the forward's matmul FLOPs (formulas in `subquad.bench.flops`, checked against "
+        "`torch.utils.flop_counter` in the tests; softmaxes and other elementwise work are not counted) "
+        "over its time, and that as a share of this machine's matmul rate (the fastest measured block of "
+        "a large square matmul, measured at the start of the run). Methods dominated by elementwise work "
+        "or small matmuls sit far below 100%.",
+        f"- **status**: `skipped` when a call was predicted to take over --max-call-seconds "
+        f"({c['max_call_seconds']:g} s); `partial` or `FAILED` with the error below.",
+    ]
+
+
+def markdown_compare(res: dict[str, Any], images: list[str]) -> str:
+    c, m = res["config"], res["machine"]
+    rate = m["matmul_flops_per_s"]
+    size = 2048 if m["device"].startswith("cpu") else 8192
+    rate_text = f"{rate['float32'] / 1e9:.0f} GFLOP/s in float32 ({size} x {size})"
+    if rate.get("run_dtype"):
+        rate_text += f", {rate['run_dtype'] / 1e9:.0f} GFLOP/s in {c['dtype']}"
+    out = [
+        "# subquad compare: every method against exact attention",
+        "",
+        f"{_shape_line(res)}; N = {', '.join(str(n) for n in c['ns'])}; inputs i.i.d. N(0, 1) q, k, v "
+        f"(seed {c['seed']}). This machine's matmul: {rate_text}. The run took {res['seconds']:.0f} s.",
+        "",
+        f"Command: `{c['command']}`",
+        "",
+        "## Recommendation",
+        "",
+    ]
+    what = "forward" if c["objective"] == "forward" else "forward+backward"
+    if c.get("max_error") is not None:
+        out += _recommendation_lines(res) + [""]
+    headers, body = _budget_table(res)
+    out += [f"For each range of error budgets E, the fastest method ({what} time) whose relative error "
+            "stays within E, with its speed-up over exact attention: the methods on the time/error Pareto "
+            "front. `subquad compare --n N --max-error E` answers for your own length and budget.", "",
+            md_table(headers, body)]
+    out += ["", "Errors here are on i.i.d. N(0, 1) inputs, whose attention is nearly uniform, so the exact "
+            "output is a small average and relative errors are large; on real activations they differ (see "
+            "the MiniLM fidelity report, `subquad compare --source minilm`)."]
+    if images:
+        out += ["", "## Plots"]
+        for p in images:
+            out += ["", f"![{Path(p).stem}]({p})"]
+    for n in sorted({r["n"] for r in res["rows"]}):
+        rows = _sorted_rows(res["rows"], n)
+        out += ["", f"## N = {n}", "", md_table(COLUMNS, [_cells(r, short=True) for r in rows])]
+    problems = [(r, _status(r, short=False)) for r in res["rows"] if r["status"] != "ok"]
+    mixers = sorted({r["method"] for r in res["rows"] if r["kind"] == "mixer"})
+    options = {r["method"]: r["options"] for r in res["rows"] if r["options"]}
+    out += ["", "## Notes", ""]
+    out += [f"- N={r['n']} {r['method']}: {text}" for r, text in problems]
+    out += [f"- {name}: a token mixer on x (B, N, H*D) with no q, k, v; timed for reference, no error "
+            "against attention; its time includes its own input and output projections." for name in mixers]
+    out += [f"- {name} options: {', '.join(f'{k}={v}' for k, v in opts.items())}"
+            for name, opts in options.items()]
+    out += [f"- {note}" for note in res.get("notes", [])]
+    out += ["- Methods run with their default options unless listed above (`subquad.list_methods()` "
+            "gives them)."]
+    out += ["", *_columns_explained(res), ""]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# dispatch
+# ---------------------------------------------------------------------------------------------
+
+
+def markdown(res: dict[str, Any], images: list[str]) -> str:
+    if res["kind"] == "compare":
+        return markdown_compare(res, images)
+    if res["kind"] == "minilm":
+        from .minilm import markdown_minilm
+
+        return markdown_minilm(res, images)
+    from .peers import markdown_peers
+
+    return markdown_peers(res, images)
+
+
+def _json_safe(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(x)
+
+
+def write_report(res: dict[str, Any], out: Path, *, plots: bool = True,
+                 log: Callable[[str], None] = print) -> list[Path]:
+    """Write results.json, the PNG plots (when matplotlib is installed) and report.md into
+    ``out``; returns the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    images: list[str] = []
+    if plots:
+        try:
+            from . import plots as plotting
+        except ImportError:
+            res.setdefault("notes", []).append(
+                "No plots: matplotlib is not installed (pip install 'subquad[bench]').")
+        else:
+            paths = plotting.plot(res, out)
+            written += paths
+            images = [p.name for p in paths]
+    path = out / "results.json"
+    path.write_text(json.dumps(_json_safe(res), indent=1) + "\n")
+    written.append(path)
+    path = out / "report.md"
+    path.write_text(markdown(res, images))
+    written.append(path)
+    for p in written:
+        log(f"wrote {p}")
+    return written

@@ -1,0 +1,196 @@
+"""The ``subquad`` command: argument handling, user errors (exit 2) and a tiny end-to-end run."""
+
+import json
+
+import pytest
+import torch
+
+import subquad
+from subquad import cli
+from subquad.bench import compare
+from subquad.bench.compare import Config
+
+FAST = ["--min-run-time", "0.001", "--quiet"]
+
+
+def run_cli(argv, capsys):
+    """(exit code, stdout, stderr) of ``subquad ARGV``."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_help_exits_0(capsys):
+    code, out, _ = run_cli(["compare", "--help"], capsys)
+    assert code == 0
+    assert "--max-error" in out and "--source" in out and "--peers" in out
+
+
+def test_a_command_is_required(capsys):
+    code, _, err = run_cli([], capsys)
+    assert code == 2 and "required" in err
+
+
+def test_unknown_method(capsys):
+    code, out, err = run_cli(["compare", "--methods", "nystrom", "flashy"], capsys)
+    assert code == 2 and out == ""
+    assert "unknown method" in err and "'flashy'" in err and "nystrom" in err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--n", "0"], "--n values must be positive"),
+    (["--n", "128", "-5"], "--n values must be positive"),
+    (["--batch", "0"], "--batch must be a positive"),
+    (["--heads", "-1"], "--heads must be a positive"),
+    (["--dim", "0"], "--dim must be a positive"),
+    (["--n", "many"], "invalid int value"),
+    (["--dtype", "int8"], "invalid choice"),
+    (["--max-error", "0"], "--max-error must be positive"),
+    (["--min-run-time", "-1"], "--min-run-time must be positive"),
+    (["--device", "tpu"], "--device"),
+])
+def test_bad_arguments(capsys, args, words):
+    code, out, err = run_cli(["compare", *args], capsys)
+    assert code == 2 and out == ""
+    assert words in err
+
+
+@pytest.mark.parametrize("option, words", [
+    ("nystrom.num_landmarks=0", "num_landmarks"),
+    ("nystrom.landmarks=8", "unknown option"),
+    ("nystrom", "METHOD.NAME=VALUE"),
+    ("bogus.x=1", "unknown method 'bogus'"),
+    ("performer.num_features=8", "not among --methods"),
+])
+def test_bad_options(capsys, option, words):
+    code, _, err = run_cli(["compare", "--methods", "nystrom", "--option", option], capsys)
+    assert code == 2
+    assert words in err
+
+
+def test_unwritable_out(capsys, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code, out, err = run_cli(["compare", "--n", "16", "--out", str(blocker / "results")], capsys)
+    assert code == 2 and out == ""
+    assert "cannot write to --out" in err
+
+
+def test_modes_that_do_not_combine(capsys, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("hello")
+    code, _, err = run_cli(["compare", "--text", str(text)], capsys)
+    assert code == 2 and "--source minilm" in err
+    code, _, err = run_cli(["compare", "--peers", "--source", "minilm"], capsys)
+    assert code == 2 and "--peers" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_without_cuda(capsys):
+    code, _, err = run_cli(["compare", "--device", "cuda"], capsys)
+    assert code == 2 and "CUDA is not available" in err
+
+
+def test_option_values():
+    assert cli._parse_value("32") == 32
+    assert cli._parse_value("0.5") == 0.5
+    assert cli._parse_value("true") is True and cli._parse_value("False") is False
+    assert cli._parse_value("None") is None and cli._parse_value("null") is None
+    assert cli._parse_value("per_matrix") == "per_matrix"
+
+
+def test_end_to_end_writes_every_report_file(capsys, tmp_path):
+    out_dir = tmp_path / "report"
+    argv = ["compare", "--n", "24", "40", "--batch", "1", "--heads", "2", "--dim", "8",
+            "--methods", "nystrom", "--option", "nystrom.num_landmarks=4", "--max-error", "0.9",
+            "--out", str(out_dir), *FAST]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0, err
+    for name in ("results.json", "report.md", "time_vs_n.png", "memory_vs_n.png", "error_vs_time.png"):
+        assert (out_dir / name).stat().st_size > 0, name
+    res = json.loads((out_dir / "results.json").read_text())
+    rows = {(r["method"], r["n"]): r for r in res["rows"]}
+    assert set(rows) == {(m, n) for m in ("softmax", "nystrom") for n in (24, 40)}
+    for r in rows.values():
+        assert r["status"] == "ok", r
+        assert r["forward_s"] > 0 and r["forward_backward_s"] > 0
+        assert r["forward_bytes"] is not None and r["forward_backward_bytes"] is not None
+        assert r["flops"] > 0 and r["flops_source"] == "formula"
+    assert rows[("softmax", 40)]["rel_error"] < 1e-5
+    assert rows[("softmax", 40)]["speedup_forward"] == 1.0
+    assert 0 < rows[("nystrom", 40)]["rel_error"] < 10
+    assert res["config"]["options"] == {"nystrom": {"num_landmarks": 4}}
+    assert [r["n"] for r in res["recommendations"]] == [24, 40]
+    report = (out_dir / "report.md").read_text()
+    assert "## N = 40" in report and "![error_vs_time](error_vs_time.png)" in report
+    assert "num_landmarks=4" in report
+    # the console leaderboard: one table per N and the recommendation
+    assert "N = 24" in out and "N = 40" in out and "relative error <= 0.9" in out
+
+
+def _tiny(**kw):
+    base = dict(ns=[16], batch=1, heads=2, dim=8, methods=["softmax", "linear", "efficient"],
+                min_run_time=0.001, memory=False)
+    return Config(**{**base, **kw})
+
+
+def test_a_failing_method_is_reported_and_the_run_goes_on(monkeypatch):
+    real = compare.forward_call
+
+    def flaky(info, *args, **kwargs):
+        if info.name == "linear":
+            def boom():
+                raise RuntimeError("linear broke")
+            return boom
+        return real(info, *args, **kwargs)
+
+    monkeypatch.setattr(compare, "forward_call", flaky)
+    res = compare.run(_tiny(), show_progress=False)
+    rows = {r["method"]: r for r in res["rows"]}
+    assert rows["linear"]["status"] == "failed"
+    assert "linear broke" in rows["linear"]["errors"]["forward"]
+    assert rows["efficient"]["status"] == "ok" and rows["softmax"]["status"] == "ok"
+    from subquad.bench.report import leaderboard_text, markdown
+
+    assert "linear broke" in leaderboard_text(res)
+    assert "FAILED" in markdown(res, [])
+
+
+def test_a_failing_backward_is_partial(monkeypatch):
+    real = compare.forward_backward_call
+
+    def no_grad_for_efficient(info, *args, **kwargs):
+        if info.name == "efficient":
+            def boom():
+                raise RuntimeError("no backward here")
+            return boom
+        return real(info, *args, **kwargs)
+
+    monkeypatch.setattr(compare, "forward_backward_call", no_grad_for_efficient)
+    res = compare.run(_tiny(), show_progress=False)
+    row = next(r for r in res["rows"] if r["method"] == "efficient")
+    assert row["status"] == "partial" and row["forward_s"] is not None and row["forward_backward_s"] is None
+    assert "no backward here" in row["errors"]["forward_backward"]
+
+
+def test_slow_points_are_skipped_from_the_shorter_length():
+    # a 1e-9 s budget: every point after the first length is predicted over it
+    config = _tiny(ns=[8, 16], methods=["softmax", "linear"], max_call_seconds=1e-9)
+    res = compare.run(config, show_progress=False)
+    at16 = [r for r in res["rows"] if r["n"] == 16]
+    assert all(r["status"] == "skipped" and "--max-call-seconds" in r["notes"][0] for r in at16)
+    at8 = [r for r in res["rows"] if r["n"] == 8]
+    assert all(r["forward_s"] is not None and r["forward_backward_s"] is None for r in at8)
+
+
+def test_token_mixers_are_timed_without_an_error():
+    mixers = [m.name for m in subquad.list_methods() if m.kind == "mixer"]
+    if not mixers:
+        pytest.skip("no token mixer registered")
+    res = compare.run(_tiny(methods=["softmax", mixers[0]]), show_progress=False)
+    row = next(r for r in res["rows"] if r["method"] == mixers[0])
+    assert row["kind"] == "mixer" and row["forward_s"] > 0 and row["rel_error"] is None
+    assert row["flops_source"] == "counted"
