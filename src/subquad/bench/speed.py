@@ -7,8 +7,8 @@ The forward-only predecessor of ``subquad compare``, which adds backward time, m
 rates, plots and a recommendation.
 
 Times are medians of ``torch.utils.benchmark.Timer.blocked_autorange`` using all of torch's
-threads, all measured in one run, so the ratios to ``softmax`` are the numbers to quote (this
-machine is shared and absolute times drift). The error column is the relative Frobenius error
+threads, measured in interleaved rounds in one run; the ratios to ``softmax`` (median of the
+per-round ratios) are the numbers to quote (this machine is shared and absolute times drift). The error column is the relative Frobenius error
 of the float32 output to exact attention on the same inputs (i.i.d. N(0, 1) q, k, v).
 """
 
@@ -32,22 +32,31 @@ def time_forward(method: str, q, k, v, min_run_time: float) -> float:
     return median_time(lambda: subquad.attention(q, k, v, method=method), min_run_time).seconds
 
 
-def run(ns, methods, batch=1, heads=8, dim=64, min_run_time=1.0, seed=0, log=print) -> list[dict]:
+def run(ns, methods, batch=1, heads=8, dim=64, min_run_time=0.5, rounds=3, seed=0, log=print) -> list[dict]:
+    """Time every method in ``rounds`` interleaved rounds (each round times every method once),
+    so a slow spell of the shared machine hits all methods alike. ``seconds`` is the median
+    over rounds and ``speedup_vs_softmax`` the median of the per-round ratios."""
     rows = []
     for n in ns:
         gen = torch.Generator().manual_seed(seed)
         q, k, v = (torch.randn(batch, heads, n, dim, generator=gen) for _ in range(3))
         with torch.no_grad():
             exact = subquad.attention(q, k, v, method="softmax")
+            errors = {}
             for method in methods:
                 out = subquad.attention(q, k, v, method=method)
-                err = ((out - exact).norm() / exact.norm()).item()
-                seconds = time_forward(method, q, k, v, min_run_time)
-                rows.append({"n": n, "method": method, "seconds": seconds, "rel_error": err})
-                log(f"N={n:6d} {method:10s} {seconds * 1e3:10.2f} ms  rel.err {err:.3f}")
-    for row in rows:
-        base = next(r["seconds"] for r in rows if r["n"] == row["n"] and r["method"] == "softmax")
-        row["speedup_vs_softmax"] = base / row["seconds"]
+                errors[method] = ((out - exact).norm() / exact.norm()).item()
+            times = {method: [] for method in methods}
+            for r in range(rounds):
+                for method in methods:
+                    times[method].append(time_forward(method, q, k, v, min_run_time))
+                log(f"N={n:6d} round {r + 1}/{rounds}: "
+                    + ", ".join(f"{m} {t[-1] * 1e3:.1f} ms" for m, t in times.items()))
+        base = torch.tensor(times["softmax"], dtype=torch.float64)
+        for method in methods:
+            t = torch.tensor(times[method], dtype=torch.float64)
+            rows.append({"n": n, "method": method, "seconds": t.median().item(), "rounds": times[method],
+                         "speedup_vs_softmax": (base / t).median().item(), "rel_error": errors[method]})
     return rows
 
 
@@ -72,7 +81,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dim", type=int, default=64, help="head dim")
-    p.add_argument("--min-run-time", type=float, default=1.0, help="seconds per Timer measurement")
+    p.add_argument("--min-run-time", type=float, default=0.5, help="seconds per Timer measurement")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (ratios are their median)")
     p.add_argument("--out", type=Path, default=None, help="directory for speed.md and speed.json")
     args = p.parse_args(argv)
     known = [m.name for m in subquad.list_methods() if m.kind == "attention"]
@@ -84,17 +94,20 @@ def main(argv=None) -> int:
         methods = ["softmax", *methods]
     if min(args.n) < 1:
         p.error("--n values must be >= 1")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     if args.out is not None:
         try:
             args.out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             p.error(f"cannot create --out {args.out}: {e}")
     start = time.time()
-    rows = run(args.n, methods, args.batch, args.heads, args.dim, args.min_run_time)
+    rows = run(args.n, methods, args.batch, args.heads, args.dim, args.min_run_time, args.rounds)
     cmd = "python -m subquad.bench.speed " + " ".join(argv if argv is not None else sys.argv[1:])
     header = (f"# Forward time vs exact attention\n\nB={args.batch}, H={args.heads}, D={args.dim}, float32, "
               f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
-              f"torch {torch.__version__}. Median of torch.utils.benchmark, one run ({time.time() - start:.0f} s).\n"
+              f"torch {torch.__version__}. Median of torch.utils.benchmark over {args.rounds} interleaved rounds "
+              f"in one run ({time.time() - start:.0f} s); speed-up = median of the per-round ratios.\n"
               f"Command: `{cmd.strip()}`")
     table = markdown(rows, header)
     print(table)
