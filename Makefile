@@ -1,5 +1,5 @@
 # Two entry points that do all the set-up on a fresh machine:
-#   make demo   creates .venv, installs subquad, runs the main job (speed vs exact attention)
+#   make demo   creates .venv, installs subquad[bench], runs the main job (subquad compare)
 #   make test   creates .venv, installs torch 2.13.0 first, then subquad[dev], then runs pytest
 VENV ?= .venv
 PY := $(VENV)/bin/python

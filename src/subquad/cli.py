@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = p.add_argument_group("measurement")
     run.add_argument("--min-run-time", type=float, default=0.3, metavar="S",
                      help="seconds of measurement per timed call (torch.utils.benchmark)")
-    run.add_argument("--max-call-seconds", type=float, default=60.0, metavar="S",
+    run.add_argument("--max-call-seconds", type=float, default=20.0, metavar="S",
                      help="skip a point whose single call is predicted (from a shorter N) to take longer")
     run.add_argument("--no-memory", action="store_true", help="do not measure peak memory")
     run.add_argument("--no-backward", action="store_true", help="do not time forward+backward")

@@ -46,7 +46,7 @@ class Config:
     device: str = "cpu"
     dtype: str = "float32"
     min_run_time: float = 0.3
-    max_call_seconds: float = 60.0
+    max_call_seconds: float = 20.0
     memory: bool = True
     backward: bool = True
     seed: int = 0
