@@ -234,9 +234,10 @@ def _bidirectional_streamed(q, k, v, w, scale, key_padding_mask, eps):
     wt = w.t() * math.sqrt(scale)
     neg = masked_fill_value(k.dtype)
     kv = run = None  # kv: (B, H, m, Dv + 1), the last column is z = sum phi(k)
-    for s in range(0, M, block):
-        kb = k[:, :, s : s + block]
-        vb = F.pad(v[:, :, s : s + block], (0, 1), value=1.0)
+    # torch.split, not slicing in the loop: the backward of a slice writes a zero tensor of the
+    # whole input, once per block (quadratic in N); split's backward is one concatenation
+    for s, kb, vb in zip(range(0, M, block), k.split(block, dim=2), v.split(block, dim=2)):
+        vb = F.pad(vb, (0, 1), value=1.0)
         logits = kb @ wt
         logits = logits.sub_(torch.linalg.vector_norm(kb, dim=-1, keepdim=True).square().mul(0.5 * scale))
         if key_padding_mask is not None:
@@ -252,10 +253,13 @@ def _bidirectional_streamed(q, k, v, w, scale, key_padding_mask, eps):
         if key_padding_mask is not None:
             v1 = v1.masked_fill(key_padding_mask[:, None, :, None], 0.0)
         kv = kv + eps * v1.sum(-2, keepdim=True)
-    out = q.new_empty(B, H, q.shape[2], Dv)
-    for s in range(0, q.shape[2], block):
-        res = torch.softmax(q[:, :, s : s + block] @ wt, dim=-1) @ kv
-        out[:, :, s : s + block] = res[..., :Dv] / _safe_den(res[..., Dv:])
+    # blocks are joined with one cat: slice assignment into a preallocated output would make
+    # autograd copy the whole output gradient once per block in backward
+    outs = []
+    for qb in q.split(block, dim=2):
+        res = torch.softmax(qb @ wt, dim=-1) @ kv
+        outs.append(res[..., :Dv] / _safe_den(res[..., Dv:]))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     if key_padding_mask is not None:
         out = out.masked_fill(no_key_rows(key_padding_mask, q.shape[2], False), 0.0)
     return out
