@@ -6,18 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import qkv
 from subquad.ops.efficient import efficient_attention, efficient_attention_reference
 
 
 def make_qkv(b=2, h=2, n=13, m=None, d=6, dv=None, seed=0):
     """Seeded float64 q ``(b, h, n, d)``, k ``(b, h, m, d)``, v ``(b, h, m, dv)``."""
-    g = torch.Generator().manual_seed(seed)
-    m = n if m is None else m
-    dv = d if dv is None else dv
-    q = torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
-    k = torch.randn(b, h, m, d, generator=g, dtype=torch.float64)
-    v = torch.randn(b, h, m, dv, generator=g, dtype=torch.float64)
-    return q, k, v
+    return qkv(b, h, n, d, m=m, dv=dv, seed=seed)
 
 
 def implied_weights(q, k, key_padding_mask=None):

@@ -7,18 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import qkv
 from subquad.ops.exact import softmax_attention, softmax_attention_reference
 
 
 def make_qkv(b=2, h=3, n=11, m=None, d=8, dv=None, seed=0):
     """Seeded float64 q ``(b, h, n, d)``, k ``(b, h, m, d)``, v ``(b, h, m, dv)``."""
-    g = torch.Generator().manual_seed(seed)
-    m = n if m is None else m
-    dv = d if dv is None else dv
-    q = torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
-    k = torch.randn(b, h, m, d, generator=g, dtype=torch.float64)
-    v = torch.randn(b, h, m, dv, generator=g, dtype=torch.float64)
-    return q, k, v
+    return qkv(b, h, n, d, m=m, dv=dv, seed=seed)
 
 
 def padding_mask(b, m, pads):

@@ -8,18 +8,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from conftest import qkv
 from subquad.ops.linear import linear_attention, linear_attention_reference
 
 
 def make_qkv(b=2, h=2, n=37, m=None, d=6, dv=None, seed=0):
     """Seeded float64 q ``(b, h, n, d)``, k ``(b, h, m, d)``, v ``(b, h, m, dv)``."""
-    g = torch.Generator().manual_seed(seed)
-    m = n if m is None else m
-    dv = d if dv is None else dv
-    q = torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
-    k = torch.randn(b, h, m, d, generator=g, dtype=torch.float64)
-    v = torch.randn(b, h, m, dv, generator=g, dtype=torch.float64)
-    return q, k, v
+    return qkv(b, h, n, d, m=m, dv=dv, seed=seed)
 
 
 class LargestTensor(TorchDispatchMode):

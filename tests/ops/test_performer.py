@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from conftest import qkv
 from subquad.ops.exact import softmax_attention_reference
 from subquad.ops.performer import (
     performer_attention,
@@ -21,13 +22,8 @@ from subquad.ops.performer import (
 def make_qkv(b=2, h=2, n=29, m=None, d=8, dv=None, seed=0, norm=1.0):
     """Seeded float64 q ``(b, h, n, d)``, k ``(b, h, m, d)`` (entries of std ``norm``) and
     v ``(b, h, m, dv)``."""
-    g = torch.Generator().manual_seed(seed)
-    m = n if m is None else m
-    dv = d if dv is None else dv
-    q = torch.randn(b, h, n, d, generator=g, dtype=torch.float64) * norm
-    k = torch.randn(b, h, m, d, generator=g, dtype=torch.float64) * norm
-    v = torch.randn(b, h, m, dv, generator=g, dtype=torch.float64)
-    return q, k, v
+    q, k, v = qkv(b, h, n, d, m=m, dv=dv, seed=seed)
+    return q * norm, k * norm, v
 
 
 def projection(m, d, seed=1, orthogonal=True):

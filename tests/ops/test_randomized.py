@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from conftest import qkv
 from subquad.ops._masks import masked_fill_value
 from subquad.ops.exact import softmax_attention_reference
 from subquad.ops.nystrom import segment_lengths
@@ -30,13 +31,8 @@ F64 = torch.float64
 
 def make_qkv(b=2, h=2, n=7, m=None, d=6, dv=None, seed=0, qk_scale=1.0):
     """Seeded float64 q ``(b, h, n, d)``, k ``(b, h, m, d)``, v ``(b, h, m, dv)``."""
-    g = torch.Generator().manual_seed(seed)
-    m = n if m is None else m
-    dv = d if dv is None else dv
-    q = qk_scale * torch.randn(b, h, n, d, generator=g, dtype=F64)
-    k = qk_scale * torch.randn(b, h, m, d, generator=g, dtype=F64)
-    v = torch.randn(b, h, m, dv, generator=g, dtype=F64)
-    return q, k, v
+    q, k, v = qkv(b, h, n, d, m=m, dv=dv, seed=seed)
+    return qk_scale * q, qk_scale * k, v
 
 
 def gen(seed=1):

@@ -10,6 +10,7 @@ import itertools
 import pytest
 import torch
 
+from conftest import qkv
 from subquad.ops.exact import softmax_attention_reference
 from subquad.ops.sinkhorn import (
     gumbel_noise,
@@ -21,15 +22,7 @@ from subquad.ops.sinkhorn import (
 
 def make_qkv(b=2, h=2, n=11, d=4, dv=None, seed=0, dtype=torch.float64, requires_grad=False):
     """Seeded q, k ``(b, h, n, d)``, v ``(b, h, n, dv)``."""
-    g = torch.Generator().manual_seed(seed)
-    dv = d if dv is None else dv
-    q = torch.randn(b, h, n, d, generator=g, dtype=dtype)
-    k = torch.randn(b, h, n, d, generator=g, dtype=dtype)
-    v = torch.randn(b, h, n, dv, generator=g, dtype=dtype)
-    if requires_grad:
-        for t in (q, k, v):
-            t.requires_grad_(True)
-    return q, k, v
+    return qkv(b, h, n, d, dv=dv, dtype=dtype, seed=seed, requires_grad=requires_grad)
 
 
 def perturb_after(x, t, seed):
