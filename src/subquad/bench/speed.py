@@ -8,8 +8,9 @@ rates, plots and a recommendation.
 
 Times are medians of ``torch.utils.benchmark.Timer.blocked_autorange`` using all of torch's
 threads, measured in interleaved rounds in one run; the ratios to ``softmax`` (median of the
-per-round ratios) are the numbers to quote (this machine is shared and absolute times drift). The error column is the relative Frobenius error
-of the float32 output to exact attention on the same inputs (i.i.d. N(0, 1) q, k, v).
+per-round ratios) are the numbers to quote (this machine is shared and absolute times drift).
+The error column is the relative Frobenius error of the float32 output to exact attention on
+the same inputs (i.i.d. N(0, 1) q, k, v).
 """
 
 from __future__ import annotations
