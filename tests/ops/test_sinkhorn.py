@@ -10,6 +10,7 @@ import itertools
 import pytest
 import torch
 
+import subquad.ops.sinkhorn as sinkhorn_ops
 from conftest import qkv
 from subquad.ops.exact import softmax_attention_reference
 from subquad.ops.sinkhorn import (
@@ -136,14 +137,32 @@ CASES = [
 ]
 
 
+def use_batched_path(monkeypatch):
+    """Route the op through the all-heads path that runs off CPU (joint blocks by a custom
+    autograd function, one batched attention call) instead of the CPU's per-head loop."""
+
+    def batched(qc, kc, vc, perms, slot_ok, slot_bias, keep, causal, b, scale):
+        keys, values = sinkhorn_ops._JointBlocks.apply(perms, kc, b), sinkhorn_ops._JointBlocks.apply(perms, vc, b)
+        return sinkhorn_ops._blocked(qc, keys, values, slot_ok, slot_bias, keep, causal, b, scale)
+
+    monkeypatch.setattr(sinkhorn_ops, "_blocked_per_head", batched)
+
+
+PATHS = ["per_head", "per_head_autograd", "batched"]
+
+
 @pytest.mark.parametrize("causal, top_blocks, sortcut", CASES)
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
 @pytest.mark.parametrize("given_logits", [False, True], ids=["default_logits", "given_logits"])
-def test_matches_reference(causal, top_blocks, sortcut, masked, given_logits):
+@pytest.mark.parametrize("path", PATHS)
+def test_matches_reference(causal, top_blocks, sortcut, masked, given_logits, path, monkeypatch):
     """N = 11 with blocks of 3 (internal padding of one token), with and without a key padding
     mask that empties whole blocks, default or given sorting logits: equals the slow reference
-    (loops over blocks, probability-space Sinkhorn, explicit per-query softmax)."""
-    q, k, v = make_qkv(n=11, dv=5)
+    (loops over blocks, probability-space Sinkhorn, explicit per-query softmax). On each path:
+    the CPU's per-head loop without autograd (reused buffers) and with it, and the batched one."""
+    if path == "batched":
+        use_batched_path(monkeypatch)
+    q, k, v = make_qkv(n=11, dv=5, requires_grad=path == "per_head_autograd")
     mask = padding_mask(11) if masked else None
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(2, 1, 4, 4, generator=g, dtype=torch.float64) * 2 if given_logits else None
@@ -151,6 +170,26 @@ def test_matches_reference(causal, top_blocks, sortcut, masked, given_logits):
     out = sinkhorn_attention(q, k, v, key_padding_mask=mask, causal=causal, **opts)
     ref = sinkhorn_attention_reference(q, k, v, mask, causal, **opts)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal, top_blocks", [(False, 1), (False, 2), (True, 2)])
+def test_per_head_and_batched_paths_have_equal_gradients(causal, top_blocks, monkeypatch):
+    """Masked, with given sorting logits that need a gradient too (the bias of partly padded
+    slots depends on them): both paths give the same gradients for q, k, v and the logits."""
+    q, k, v = make_qkv(n=11, dv=5, requires_grad=True)
+    logits = torch.randn(2, 2, 4, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    logits.requires_grad_()
+    inputs = (q, k, v, logits)
+
+    def grads():
+        out = sinkhorn_attention(q, k, v, key_padding_mask=padding_mask(11), causal=causal, block_size=3,
+                                 top_blocks=top_blocks, sort_logits=logits)
+        return torch.autograd.grad(out.square().sum(), inputs)
+
+    per_head = grads()
+    use_batched_path(monkeypatch)
+    for a, b in zip(per_head, grads()):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("causal", [False, True])

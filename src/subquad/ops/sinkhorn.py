@@ -356,11 +356,6 @@ def sinkhorn_attention(
             counts = counts[..., :n_cut]
         t = perms.shape[2]
 
-        if sortcut_blocks:  # the first n sorted blocks, (B, H, n, b, d)
-            keys, values = _sorted_blocks(perms, kc, b), _sorted_blocks(perms, vc, b)
-        else:  # [sorted slots ; own block] per block, (B, H, NB, (t + 1) * b, d)
-            keys, values = _JointBlocks.apply(perms, kc, b), _JointBlocks.apply(perms, vc, b)
-
         # sorted slot s of block i is usable when the slot exists (the block has enough allowed
         # sources) and holds real mass; with padding its logit gets + log(real fraction of its
         # mass), so a slot made only of padding is masked and a partly padded one counts less
@@ -376,9 +371,13 @@ def sinkhorn_attention(
             slot_bias = (torch.log(mass.clamp_min(tiny)) - torch.log(total.clamp_min(tiny))).flatten(-2)
         slot_ok = slot_ok.flatten(-2)  # (B|1, H|1, rows, t * b)
 
-        if sortcut_blocks:
+        if sortcut_blocks:  # the first n sorted blocks, (B, H, n, b, d)
+            keys, values = _sorted_blocks(perms, kc, b), _sorted_blocks(perms, vc, b)
             out = _sortcut(qc, keys, values, slot_ok, slot_bias, scale)
-        else:
+        elif q.device.type == "cpu":
+            out = _blocked_per_head(qc, kc, vc, perms, slot_ok, slot_bias, keep, causal, b, scale)
+        else:  # [sorted slots ; own block] per block, (B, H, NB, (t + 1) * b, d)
+            keys, values = _JointBlocks.apply(perms, kc, b), _JointBlocks.apply(perms, vc, b)
             out = _blocked(qc, keys, values, slot_ok, slot_bias, keep, causal, b, scale)
     return out[:, :, :N].to(q.dtype)
 
@@ -460,29 +459,94 @@ class _JointBlocks(torch.autograd.Function):
         return grad_perms, None if grad_x is None else grad_x.view(B, H, nb * b, d), None
 
 
-def _blocked(qc, keys, values, slot_ok, slot_bias, keep, causal, b, scale):
-    """Each query block against [its sorted slots ; its own block] (``keys``, ``values``
-    ``(B, H, NB, (t + 1) * b, d)``) in one softmax."""
-    B, H, L, D = qc.shape
-    nb = L // b
-    qb = qc.view(B, H, nb, b, D)
+def _visibility(slot_ok, slot_bias, keep, causal, b, device):
+    """Key visibility and logit bias over ``[sorted slots ; own block]``: ``ok`` bool
+    ``(B|1, H|1, NB, b|1, (t + 1) * b)`` and ``key_bias`` ``(B, H, NB, (t + 1) * b)`` (0 for the
+    local keys) or None; ``ok`` is None when every key is visible."""
     if keep is None and not causal and bool(slot_ok.all()):
-        return _attend(qb, keys, values, None, scale).reshape(B, H, L, -1)
-    # visibility over [sorted ; local] keys: (B|1, H|1, nb, b|1, t * b + b)
-    local = torch.ones(1, 1, 1, 1, b, dtype=torch.bool, device=qc.device)
+        return None, None
+    nb = slot_ok.shape[2]
+    local = torch.ones(1, 1, 1, 1, b, dtype=torch.bool, device=device)
     if keep is not None:
-        local = keep.view(B, 1, nb, 1, b)
+        local = keep.view(keep.shape[0], 1, nb, 1, b)
     if causal:
-        local = local & torch.ones(b, b, dtype=torch.bool, device=qc.device).tril_()
+        local = local & torch.ones(b, b, dtype=torch.bool, device=device).tril_()
     sorted_ok = slot_ok[:, :, :, None, :]
     shape = torch.broadcast_shapes(sorted_ok.shape[:-1], local.shape[:-1])
     ok = torch.cat([sorted_ok.expand(*shape, -1), local.expand(*shape, -1)], dim=-1)
     key_bias = None
-    if slot_bias is not None:  # (B, H, nb, t * b) for the sorted slots, 0 for the local keys
+    if slot_bias is not None:
         key_bias = F.pad(torch.where(slot_ok, slot_bias, 0.0), (0, b))
+    return ok, key_bias
+
+
+def _blocked(qc, keys, values, slot_ok, slot_bias, keep, causal, b, scale):
+    """Each query block against [its sorted slots ; its own block] (``keys``, ``values``
+    ``(B, H, NB, (t + 1) * b, d)``) in one softmax; all heads in one batched call."""
+    B, H, L, D = qc.shape
+    qb = qc.view(B, H, L // b, b, D)
+    ok, key_bias = _visibility(slot_ok, slot_bias, keep, causal, b, qc.device)
     qb, keys = _with_bias_column(qb, keys, key_bias, scale)
-    out = _attend(qb, keys, values, ok, scale)
-    return out.reshape(B, H, L, -1)
+    return _attend(qb, keys, values, ok, scale).reshape(B, H, L, -1)
+
+
+def _blocked_per_head(qc, kc, vc, perms, slot_ok, slot_bias, keep, causal, b, scale):
+    """:func:`_blocked` with the sorting, one (batch, head) at a time: what the CPU runs.
+
+    Each head's ``[sorted slots ; own block]`` keys and values ``(NB, (t + 1) * b, d)`` are
+    built in one buffer (the own block copied in, the sorted slots written by their matmuls);
+    without autograd the two buffers are reused by every head and each head's output goes
+    straight into a ``(B, L, H, Dv)`` tensor (the layout of the module's projections, so the
+    module's transpose back is free). A whole-batch buffer would be ``2 (t + 1)`` times the
+    size of k and v, and fresh memory of that size costs as much here as the sorting itself.
+    Returns ``(B, H, L, Dv)`` (a transposed view of that tensor).
+    """
+    B, H, L, D = qc.shape
+    Dv, t, nb = vc.shape[-1], perms.shape[2], L // b
+    ok, key_bias = _visibility(slot_ok, slot_bias, keep, causal, b, qc.device)
+    tracked = torch.is_grad_enabled() and any(x.requires_grad for x in (qc, kc, vc, perms, slot_bias)
+                                              if x is not None)
+    if tracked:
+        out, bufs = None, (None, None)
+    else:
+        out = qc.new_empty(B, L, H, Dv)
+        bufs = (kc.new_empty(nb, (t + 1) * b, D), vc.new_empty(nb, (t + 1) * b, Dv))
+    # unbind, not indexing: the backward of x[i, h] writes a zero tensor of all of x per head
+    per_head = [[y.unbind(0) for y in x.unbind(0)] for x in (qc, kc, vc, perms)]
+    batches = []
+    for i in range(B):
+        heads = []
+        for h in range(H):
+            q_h, k_h, v_h, p = (x[i][h] for x in per_head)
+            keys, values = _joint_blocks(p, k_h, b, bufs[0]), _joint_blocks(p, v_h, b, bufs[1])
+            ok_h = None if ok is None else ok[min(i, ok.shape[0] - 1), min(h, ok.shape[1] - 1)][None]
+            qb, keys = _with_bias_column(q_h.view(nb, b, D), keys, None if key_bias is None else key_bias[i, h], scale)
+            o = _attend(qb[None], keys[None], values[None], ok_h, scale)[0]  # (nb, b, Dv)
+            if out is None:
+                heads.append(o.reshape(L, Dv))
+            else:
+                out[i, :, h].view(nb, b, Dv).copy_(o)
+        if out is None:
+            batches.append(torch.stack(heads, dim=1))
+    if out is None:
+        out = torch.stack(batches)
+    return out.transpose(1, 2)
+
+
+def _joint_blocks(perms: Tensor, x: Tensor, b: int, buf: Tensor | None) -> Tensor:
+    """``[sum_j P1_ij x_j ; ... ; sum_j Pt_ij x_j ; x_i]`` for every block i of one head:
+    ``(NB, (t + 1) * b, d)`` from ``perms`` ``(t, NB, NB)`` and x ``(L, d)``. Written into
+    ``buf`` when given (no autograd), else built with autograd-friendly ops."""
+    t, nb = perms.shape[:2]
+    d = x.shape[-1]
+    if buf is None:
+        local = x.reshape(nb, b * d)
+        return torch.cat([*(perms[m] @ local for m in range(t)), local], dim=1).view(nb, (t + 1) * b, d)
+    buf[:, t * b:].copy_(x.view(nb, b, d))
+    local = buf[:, t * b:].flatten(1)
+    for m in range(t):
+        torch.mm(perms[m], local, out=buf[:, m * b:(m + 1) * b].flatten(1))
+    return buf
 
 
 def _sortcut(qc, sorted_k, sorted_v, slot_ok, slot_bias, scale):
