@@ -16,10 +16,13 @@ def test_speed_table_end_to_end(tmp_path):
     assert {(r["n"], r["method"]) for r in data["rows"]} == {(n, m) for n in (16, 24) for m in methods}
     for r in data["rows"]:
         assert len(r["rounds"]) == 2 and r["seconds"] > 0
+        assert len(r["speedup_rounds"]) == 2
+        assert min(r["speedup_rounds"]) <= r["speedup_vs_softmax"] <= max(r["speedup_rounds"])
         if r["method"] == "softmax":
             assert r["speedup_vs_softmax"] == pytest.approx(1.0) and r["rel_error"] == 0.0
     table = (tmp_path / "speed.md").read_text()
     assert all(f"| {m} |" in table for m in methods)
+    assert "(1.0x; 1.0-1.0x)" in table  # softmax against itself, with its range over the rounds
 
 
 @pytest.mark.parametrize("argv", [["--methods", "nope"], ["--n", "0"], ["--rounds", "0"]])

@@ -36,7 +36,8 @@ def time_forward(method: str, q, k, v, min_run_time: float) -> float:
 def run(ns, methods, batch=1, heads=8, dim=64, min_run_time=0.5, rounds=3, seed=0, log=print) -> list[dict]:
     """Time every method in ``rounds`` interleaved rounds (each round times every method once),
     so a slow spell of the shared machine hits all methods alike. ``seconds`` is the median
-    over rounds and ``speedup_vs_softmax`` the median of the per-round ratios."""
+    over rounds, ``speedup_vs_softmax`` the median of the per-round ratios and
+    ``speedup_rounds`` those ratios (their spread shows how much the machine drifted)."""
     rows = []
     for n in ns:
         gen = torch.Generator().manual_seed(seed)
@@ -56,21 +57,27 @@ def run(ns, methods, batch=1, heads=8, dim=64, min_run_time=0.5, rounds=3, seed=
         base = torch.tensor(times["softmax"], dtype=torch.float64)
         for method in methods:
             t = torch.tensor(times[method], dtype=torch.float64)
+            ratios = base / t
             rows.append({"n": n, "method": method, "seconds": t.median().item(), "rounds": times[method],
-                         "speedup_vs_softmax": (base / t).median().item(), "rel_error": errors[method]})
+                         "speedup_vs_softmax": ratios.median().item(), "speedup_rounds": ratios.tolist(),
+                         "rel_error": errors[method]})
     return rows
 
 
 def markdown(rows, header: str) -> str:
     ns = sorted({r["n"] for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    lines = [header, "", "| method | " + " | ".join(f"N={n}: ms (x vs softmax), rel.err" for n in ns) + " |",
+    lines = [header, "", "| method | " + " | ".join(f"N={n}: ms (x vs softmax; range over rounds), rel.err"
+                                                    for n in ns) + " |",
              "|---|" + "---|" * len(ns)]
     for m in methods:
         cells = []
         for n in ns:
             r = next(r for r in rows if r["n"] == n and r["method"] == m)
-            cells.append(f"{r['seconds'] * 1e3:.1f} ({r['speedup_vs_softmax']:.1f}x), {r['rel_error']:.3f}")
+            spread = ""
+            if len(r["speedup_rounds"]) > 1:
+                spread = f"; {min(r['speedup_rounds']):.1f}-{max(r['speedup_rounds']):.1f}x"
+            cells.append(f"{r['seconds'] * 1e3:.1f} ({r['speedup_vs_softmax']:.1f}x{spread}), {r['rel_error']:.3f}")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

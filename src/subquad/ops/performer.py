@@ -281,10 +281,15 @@ def _favor_group(q, k, v, wt, scale, pad, eps, rows, out, buf):
     online: the sums are rescaled when a later block raises it. Padded keys get ``c_j = 0``.
     Query features are stabilised by their row max alone, which cancels in the ratio.
     The key ``eps`` is added in closed form (``eps * sum v`` and ``eps * count``).
+
+    The normaliser ``z`` rides as the last column of ``S`` (``[v_j c_j, c_j]``), so each block
+    has two matmuls and no matrix-vector product: with two threads on this kind of machine a
+    matrix-vector product over a block that the other thread just wrote can run ten times
+    slower than usual, for minutes at a time.
     """
     half = 0.5 * scale * _LOG2E
     neg = masked_fill_value(k.dtype)
-    S = z = run = None
+    S = run = None
     pads = repeat(None) if pad is None else pad.split(rows, dim=-2)
     # torch.split, not slicing in the loop: the backward of a slice writes a zero tensor of the
     # whole input, once per block (quadratic in N); split's backward is one concatenation
@@ -300,29 +305,28 @@ def _favor_group(q, k, v, wt, scale, pad, eps, rows, out, buf):
         c = torch.exp2(g - new)
         if pb is not None:
             c = c.masked_fill(pb, 0.0)
-        phi_t = phi.transpose(-2, -1)
-        S_b, z_b = phi_t @ (vb * c), phi_t @ c
-        if S is None:
-            S, z = S_b, z_b
-        else:  # a (batch, head) with no real key yet has run = neg: its sums are scaled to 0
-            f = torch.exp2(run - new)
-            S, z = S * f + S_b, z * f + z_b
+        S_b = phi.transpose(-2, -1) @ torch.cat([vb * c, c], dim=-1)
+        # a (batch, head) with no real key yet has run = neg: its sums are scaled to 0 here
+        S = S_b if S is None else S * torch.exp2(run - new) + S_b
         run = new
     if eps:
         if pad is None:
-            S, z = S + eps * v.sum(-2, keepdim=True), z + eps * v.shape[-2]
+            total = torch.cat([v.sum(-2, keepdim=True), v.new_full((*v.shape[:-2], 1, 1), v.shape[-2])], dim=-1)
         else:
             real = (~pad).to(v.dtype)
-            S, z = S + eps * (real.transpose(-2, -1) @ v), z + eps * real.sum(-2, keepdim=True)
+            total = torch.cat([real.transpose(-2, -1) @ v, real.sum(-2, keepdim=True)], dim=-1)
+        S = S + eps * total  # (..., 1, Dv + 1): eps times the sums of v and the count of real keys
+    Dv = v.shape[-1]
     outs = []
     for i, qb in enumerate(q.split(rows, dim=-2)):
         logits = qb @ wt if buf is None else torch.matmul(qb, wt, out=buf[: qb.shape[-2]])
         phi = logits.sub_(logits.detach().amax(-1, keepdim=True)).exp2_()
+        res = phi @ S
+        num, den = res[..., :Dv], _safe_den(res[..., Dv:])
         if out is None:
-            outs.append((phi @ S).div_(_safe_den(phi @ z)))
+            outs.append(num / den)
         else:
-            o = torch.matmul(phi, S, out=out[..., i * rows : i * rows + qb.shape[-2], :])
-            o.div_(_safe_den(phi @ z))
+            torch.div(num, den, out=out[..., i * rows : i * rows + qb.shape[-2], :])
     if out is not None:
         return out
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
