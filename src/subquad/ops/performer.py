@@ -232,8 +232,7 @@ def _bidirectional_streamed(q, k, v, w, scale, key_padding_mask, eps):
     """
     B, H, N, D = q.shape
     M, Dv, m = k.shape[2], v.shape[-1], w.shape[0]
-    # contiguous (D, m): MKL runs (rows, D) @ (D, m) several times slower with a transposed operand
-    wt = (w.t() * (math.sqrt(scale) * _LOG2E)).contiguous()
+    wt = (w.t() * (math.sqrt(scale) * _LOG2E)).contiguous()  # (D, m), shared by every block
     pad = None if key_padding_mask is None else key_padding_mask[:, None, :, None].expand(B, H, M, 1)
     tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, w))
     out = None if tracked else q.new_empty(B, H, N, Dv)
@@ -283,9 +282,9 @@ def _favor_group(q, k, v, wt, scale, pad, eps, rows, out, buf):
     The key ``eps`` is added in closed form (``eps * sum v`` and ``eps * count``).
 
     The normaliser ``z`` rides as the last column of ``S`` (``[v_j c_j, c_j]``), so each block
-    has two matmuls and no matrix-vector product: with two threads on this kind of machine a
-    matrix-vector product over a block that the other thread just wrote can run ten times
-    slower than usual, for minutes at a time.
+    has two matmuls and no matrix-vector product: on the 2-core machine of our benchmarks a
+    matrix-vector product over a block the other thread had just written was seen to run ten
+    times slower than usual for minutes at a time (``benchmarks/results/speed.md``).
     """
     half = 0.5 * scale * _LOG2E
     neg = masked_fill_value(k.dtype)
