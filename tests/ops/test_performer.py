@@ -201,20 +201,27 @@ def test_streamed_blocks_equal_reference(monkeypatch, track, eps):
 
 
 @pytest.mark.parametrize("track", [False, True])
-def test_batched_heads_path_equals_reference(track):
-    """The path taken off CPU (all heads as one batched block) computes the same attention."""
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("eps", [0.0, 1e-3])
+def test_batched_heads_path_equals_per_head_path(track, masked, eps):
+    """The path taken off CPU (all heads as one batched block) computes what the CPU's per-head
+    path computes, and at eps=0 the reference."""
     q, k, v = make_qkv(n=31, m=40, norm=2.0, dv=5)
     w = projection(32, 8)
     mask = torch.zeros(2, 40, dtype=torch.bool)
     mask[1, 3:17] = True
+    mask = mask if masked else None
     scale = 8**-0.5
     wt = w.t() * (math.sqrt(scale) * performer_module._LOG2E)
-    pad = mask[:, None, :, None].expand(2, 2, 40, 1).reshape(4, 40, 1)
+    pad = None if mask is None else mask[:, None, :, None].expand(2, 2, 40, 1).reshape(4, 40, 1)
     flat = [t.reshape(4, *t.shape[2:]) for t in (q, k, v)]
     out = None if track else q.new_empty(4, 31, 5)
-    res = performer_module._favor_group(*flat, wt, scale, pad, 0.0, 40, out, None)
-    ref = performer_attention_reference(q, k, v, w, mask)
-    torch.testing.assert_close(res.view(2, 2, 31, 5), ref, rtol=1e-12, atol=1e-12)
+    res = performer_module._favor_group(*flat, wt, scale, pad, eps, 40, out, None).view(2, 2, 31, 5)
+    per_head = performer_attention(q, k, v, features=w, eps=eps, key_padding_mask=mask)
+    torch.testing.assert_close(res, per_head, rtol=1e-12, atol=1e-12)
+    if eps == 0.0:
+        ref = performer_attention_reference(q, k, v, w, mask)
+        torch.testing.assert_close(res, ref, rtol=1e-12, atol=1e-12)
 
 
 # (d) causal ---------------------------------------------------------------------------------------
