@@ -315,6 +315,24 @@ def test_padded_keys_excluded_from_numerator_and_normaliser(eps):
             torch.testing.assert_close(out[b : b + 1], ref, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("track", [False, True], ids=["no_grad", "autograd"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_non_finite_padded_keys_and_values_change_nothing(track, bad):
+    """Whatever a padded key or value holds (even nan or inf), the output equals the one with
+    it zeroed, on both the per-head and the batched path."""
+    q, k, v = make_qkv(n=7, m=9, dv=5)
+    w = projection(16, 8)
+    mask = torch.zeros(2, 9, dtype=torch.bool)
+    mask[0, 6:] = True
+    expected = performer_attention(q, k.masked_fill(mask[:, None, :, None], 0.0),
+                                   v.masked_fill(mask[:, None, :, None], 0.0), features=w, key_padding_mask=mask)
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[0, :, 6:] = bad
+    v_bad[0, :, 6:] = bad
+    out = performer_attention(q.requires_grad_(track), k_bad, v_bad, features=w, key_padding_mask=mask)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
 def test_all_padded_sample_outputs_zero():
     q, k, v = (t.requires_grad_() for t in make_qkv())
     mask = torch.zeros(2, 29, dtype=torch.bool)

@@ -283,6 +283,8 @@ def _favor_group(q, k, v, wt, scale, pad, eps, rows, out, buf):
     """
     half = 0.5 * scale * _LOG2E
     neg = masked_fill_value(k.dtype)
+    if pad is not None:  # padded keys get c_j = 0 below; zeroed here so that nan or inf there stays out
+        k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
     S = run = None
     pads = repeat(None) if pad is None else pad.split(rows, dim=-2)
     # torch.split, not slicing in the loop: the backward of a slice writes a zero tensor of the
