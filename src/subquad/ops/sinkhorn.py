@@ -568,15 +568,10 @@ def _sortcut(qc, sorted_k, sorted_v, slot_ok, slot_bias, scale):
 # ----------------------------------------------------------------------------------------------
 
 
-def sinkhorn_attention_reference(
-    q, k, v, key_padding_mask=None, causal=False, scale=None, *, block_size=64, sinkhorn_iters=7,
-    tau=0.75, top_blocks=1, sortcut_blocks=0, sort_logits=None, noise=None,
-):
-    """Slow, obvious reference of :func:`sinkhorn_attention`: explicit zero padding, summaries
-    and logits by loops over blocks, Sinkhorn by division in probability space, and for every
-    query an explicit list of keys and one softmax. ``noise``: Gumbel noise ``(B, H, NB, NB)``
-    to add to the logits (None: none)."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+def _reference_padding(q, k, v, key_padding_mask, block_size):
+    """For the references: ``(b, NB, L, keep, qp, kp, vp)`` with q, k, v zero-padded to
+    ``L = NB * b`` tokens, ``keep`` bool ``(B, L)`` (True = real token) and the padded keys and
+    values zeroed."""
     B, H, N, D = q.shape
     b = min(block_size, N)
     nb = -(-N // b)
@@ -588,8 +583,20 @@ def sinkhorn_attention_reference(
     zeros = torch.zeros(B, H, L - N, D, dtype=q.dtype)
     qp, kp = torch.cat([q, zeros], 2), torch.cat([k, zeros], 2)
     vp = torch.cat([v, torch.zeros(B, H, L - N, v.shape[-1], dtype=v.dtype)], 2)
-    kp = kp * keep[:, None, :, None]
-    vp = vp * keep[:, None, :, None]
+    return b, nb, L, keep, qp, kp * keep[:, None, :, None], vp * keep[:, None, :, None]
+
+
+def sinkhorn_attention_reference(
+    q, k, v, key_padding_mask=None, causal=False, scale=None, *, block_size=64, sinkhorn_iters=7,
+    tau=0.75, top_blocks=1, sortcut_blocks=0, sort_logits=None, noise=None,
+):
+    """Slow, obvious reference of :func:`sinkhorn_attention`: explicit zero padding, summaries
+    and logits by loops over blocks, Sinkhorn by division in probability space, and for every
+    query an explicit list of keys and one softmax. ``noise``: Gumbel noise ``(B, H, NB, NB)``
+    to add to the logits (None: none)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    B, H, N, D = q.shape
+    b, nb, L, keep, qp, kp, vp = _reference_padding(q, k, v, key_padding_mask, block_size)
     out = torch.zeros(B, H, L, v.shape[-1], dtype=v.dtype)
     tiny = torch.finfo(q.dtype).tiny
 
@@ -744,17 +751,7 @@ def lra_sinkhorn_attention_reference(q, k, v, permutation, key_padding_mask=None
     (``sorted[s, n] = sum_k sum_l key[s, k] P[n, l]``) and explicit softmaxes per query."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     B, H, N, D = q.shape
-    b = min(block_size, N)
-    nb = -(-N // b)
-    L = nb * b
-    keep = torch.ones(B, L, dtype=torch.bool)
-    keep[:, N:] = False
-    if key_padding_mask is not None:
-        keep[:, :N] = ~key_padding_mask
-    pad = torch.zeros(B, H, L - N, D, dtype=q.dtype)
-    qp, kp = torch.cat([q, pad], 2), torch.cat([k, pad], 2)
-    vp = torch.cat([v, torch.zeros(B, H, L - N, v.shape[-1], dtype=v.dtype)], 2)
-    kp, vp = kp * keep[:, None, :, None], vp * keep[:, None, :, None]
+    b, nb, L, keep, qp, kp, vp = _reference_padding(q, k, v, key_padding_mask, block_size)
     # LRA layout: (B, b, NB, H, d) with [s, n] = position s * NB + n
     kb = kp.permute(0, 2, 1, 3).reshape(B, b, nb, H, D)
     vb = vp.permute(0, 2, 1, 3).reshape(B, b, nb, H, -1)
