@@ -91,10 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(subparser=p)
     if importlib.util.find_spec("subquad.train.cli") is not None:
-        from .train.cli import add_data_parser, add_train_parser
+        from .train.cli import add_data_parser, add_evaluate_parser, add_train_parser
 
         add_data_parser(sub)
         add_train_parser(sub)
+        add_evaluate_parser(sub)
     return parser
 
 

@@ -600,9 +600,8 @@ def generate_and_write(directory: str | os.PathLike, *, train_size: int = 96_000
 
 class ListOpsDataset(torch.utils.data.Dataset):
     """Tokenised ListOps split. ``ds[i]`` is ``(tokens int64 (L_i,), label)``;
-    :meth:`batch` pads a list of indices to ``pad_to`` (sequences longer are truncated, as in
-    LRA) and returns ``tokens (B, pad_to)`` int64, ``key_padding_mask (B, pad_to)`` bool
-    (True = padding) and ``labels (B,)`` int64."""
+    :meth:`batch` pads a list of indices and returns ``tokens (B, L)`` int64,
+    ``key_padding_mask (B, L)`` bool (True = padding) and ``labels (B,)`` int64."""
 
     def __init__(self, data: ListOpsSplit):
         self.data = data
@@ -617,11 +616,19 @@ class ListOpsDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int):
         return torch.from_numpy(self.data.sequence(i).astype(np.int64)), int(self.data.labels[i])
 
-    def batch(self, indices, pad_to: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def batch(self, indices, pad_to: int, multiple: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sequences longer than ``pad_to`` are truncated, as in LRA. ``multiple=None`` pads every
+        batch to ``L = pad_to`` (the published pipeline); an int pads to the batch's longest
+        sample rounded up to a multiple of it, and at most ``pad_to``."""
         indices = np.asarray(indices, dtype=np.int64)
-        out = np.zeros((len(indices), pad_to), dtype=np.int64)
+        length = pad_to
+        if multiple is not None:
+            longest = int((self.data.offsets[indices + 1] - self.data.offsets[indices]).max(initial=1))
+            length = min(pad_to, -(-longest // multiple) * multiple)
+        out = np.zeros((len(indices), length), dtype=np.int64)
         for row, i in enumerate(indices.tolist()):
-            seq = self.data.sequence(i)[:pad_to]
+            seq = self.data.sequence(i)[:length]
             out[row, : len(seq)] = seq
         tokens = torch.from_numpy(out)
         return tokens, tokens == PAD, torch.from_numpy(self.data.labels[indices])

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_data_parser", "add_train_parser", "parse_method_options", "main"]
+__all__ = ["add_data_parser", "add_train_parser", "add_evaluate_parser", "parse_method_options", "main"]
 
 
 def _parse_value(text: str) -> Any:
@@ -165,7 +165,12 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"))
     g.add_argument("--eps", type=float)
     g.add_argument("--grad-clip", type=float, help="max gradient norm (default: none)")
-    g.add_argument("--pad-to", type=int, help="sequence length after padding")
+    g.add_argument("--pad-to", type=int, help="longest sequence; longer ones are truncated")
+    g.add_argument("--batching", choices=("bucket", "pad"), default="bucket",
+                   help="bucket: batches of similar length, each padded to its longest sample; pad: the "
+                        "published pipeline, uniform batches padded to --pad-to (default: %(default)s)")
+    g.add_argument("--bucket-pool", type=int, default=64,
+                   help="batches per pool sorted by length (default: %(default)s)")
     r = p.add_argument_group("run")
     r.add_argument("--eval-every", type=int, help="validate every K steps")
     r.add_argument("--eval-samples", type=int,
@@ -202,6 +207,7 @@ def config_from_args(args: argparse.Namespace):
         "weight_decay": args.weight_decay, "betas": tuple(args.betas) if args.betas else None,
         "eps": args.eps,
         "grad_clip": args.grad_clip, "pad_to": args.pad_to, "eval_every": args.eval_every,
+        "batching": args.batching, "bucket_pool": args.bucket_pool,
     }
     return TrainConfig.from_preset(
         args.preset, method=args.method, method_options=options, data_dir=args.data,
@@ -236,6 +242,65 @@ def _check_model(cfg) -> None:
     build_mixer(cfg.method, cfg.dim, cfg.heads, **cfg.method_options)
 
 
+# --------------------------------------------------------------------------- evaluate
+
+
+def add_evaluate_parser(subparsers) -> argparse.ArgumentParser:
+    """``evaluate listops``: accuracy of a saved model on a split."""
+    parser = subparsers.add_parser("evaluate", help="evaluate a trained model on a task (ListOps)",
+                                   description="Evaluate a trained model.")
+    tasks = parser.add_subparsers(dest="evaluate_task", metavar="TASK")
+    tasks.required = True
+    p = tasks.add_parser(
+        "listops", help="accuracy of a ListOps checkpoint",
+        description="Rebuild the model from the config saved in a checkpoint (model.pt, best.pt or "
+                    "checkpoint.pt of a `train listops` run; read with weights_only), evaluate it on a split "
+                    "with the run's input pipeline, and print one JSON object as the last line of stdout "
+                    "(accuracy as a fraction, loss, n, method, step, split, checkpoint).")
+    p.add_argument("--checkpoint", required=True, help="model file of a run")
+    p.add_argument("--data", default="out/data/listops", help="data directory (default: %(default)s)")
+    p.add_argument("--split", default="test", choices=("val", "test"), help="default: %(default)s")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--device", default="cpu", help="default: %(default)s")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_evaluate_listops)
+    return parser
+
+
+def run_evaluate_listops(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from ..tasks import listops
+    from ..train.trainer import evaluate_model, load_model
+
+    try:
+        if args.threads is not None:
+            if args.threads <= 0:
+                raise ValueError(f"--threads must be positive, got {args.threads}")
+            torch.set_num_threads(args.threads)
+        model, cfg, saved = load_model(args.checkpoint, device=args.device)
+        if not Path(args.data).is_dir():
+            raise FileNotFoundError(f"data directory {args.data!r} does not exist; create it with "
+                                    f"`subquad data listops --out {args.data}`")
+        data = listops.ListOpsDataset(listops.load_splits(args.data, (args.split,))[args.split])
+        progress = not args.no_progress
+        if progress:
+            try:
+                import tqdm  # noqa: F401
+            except ImportError:
+                progress = False
+        loss, accuracy, n = evaluate_model(model, cfg, data, progress=progress)
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError, KeyError) as e:
+        print(f"evaluate listops: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"accuracy": accuracy, "loss": loss, "n": n, "method": cfg.method,
+                      "method_options": cfg.method_options, "step": int(saved.get("step", -1)),
+                      "split": args.split, "checkpoint": str(args.checkpoint)}))
+    return 0
+
+
 # --------------------------------------------------------------------------- standalone
 
 
@@ -246,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     add_data_parser(sub)
     add_train_parser(sub)
+    add_evaluate_parser(sub)
     return parser
 
 

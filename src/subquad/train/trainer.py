@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import os
+import pickle
 import random
 import shlex
 import sys
@@ -43,14 +44,21 @@ from ..registry import get_method
 from ..tasks import listops
 from . import checkpoint as ckpt
 from .distributed import DistributedContext, setup
-from .sampler import ShardedBatchSampler
+from .sampler import BucketBatchSampler, ShardedBatchSampler
 
-__all__ = ["TrainConfig", "PRESETS", "train", "lr_factor", "TRAJECTORY_FIELDS"]
+__all__ = ["TrainConfig", "PRESETS", "train", "lr_factor", "TRAJECTORY_FIELDS", "pad_multiple", "save_model",
+           "load_model", "evaluate_model"]
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.csv"
 RESULTS = "results.json"
 FINAL_MODEL = "model.pt"
+BEST_MODEL = "best.pt"
+MODEL_KIND = "subquad.listops.encoder"
+BATCHINGS = ("bucket", "pad")
+# With batching="bucket", a batch is padded to its longest sample rounded up to a multiple of this
+# (and of sinkhorn's block size, which the op would otherwise pad to internally).
+PAD_MULTIPLE = 64
 METRIC_COLUMNS = ("step", "split", "loss", "accuracy", "samples", "lr", "samples_per_s", "tokens_per_s",
                   "elapsed_s")
 
@@ -76,7 +84,9 @@ SCHEDULES = ("linear", "rsqrt", "constant")
 TRAJECTORY_FIELDS = ("task", "method", "method_options", "layers", "dim", "heads", "ffn_dim", "positions",
                      "dropout", "attention_dropout", "head_hidden", "batch_size", "lr", "warmup_steps",
                      "schedule", "steps", "weight_decay", "betas", "eps", "grad_clip", "pad_to", "seed",
-                     "amp", "dtype")
+                     "amp", "dtype", "batching", "bucket_pool")
+# Values of trajectory fields that checkpoints written before the field existed were run with.
+LEGACY_FIELDS = {"batching": "pad", "bucket_pool": 64}
 
 
 @dataclass
@@ -89,6 +99,12 @@ class TrainConfig:
     set is always evaluated in full. ``steps`` counts optimizer updates. ``max_minutes`` stops
     this process (after writing a checkpoint) once that much wall time has passed; ``resume``
     then continues the same run, so a long run can be done in slices.
+
+    ``batching="bucket"`` (default) draws batches of samples of similar length
+    (:class:`~subquad.train.sampler.BucketBatchSampler`, pools of ``bucket_pool`` batches) and pads
+    each batch to its longest sample, rounded up to :func:`pad_multiple` and capped at ``pad_to``;
+    validation and test batches are the samples sorted by length. ``batching="pad"`` is the
+    published input pipeline: uniform batches, every sequence padded to ``pad_to``.
     """
 
     method: str = "softmax"
@@ -115,6 +131,8 @@ class TrainConfig:
     eps: float = 1e-6
     grad_clip: float | None = None
     pad_to: int = 2048
+    batching: str = "bucket"
+    bucket_pool: int = 64
     eval_every: int = 50
     eval_samples: int | None = None
     checkpoint_every: int = 500
@@ -151,7 +169,7 @@ class TrainConfig:
         if not isinstance(self.method_options, dict):
             raise TypeError(f"method_options must be a dict, got {type(self.method_options).__name__}")
         for name in ("layers", "dim", "heads", "ffn_dim", "batch_size", "steps", "pad_to", "eval_every",
-                     "checkpoint_every", "log_every"):
+                     "checkpoint_every", "log_every", "bucket_pool"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -183,6 +201,8 @@ class TrainConfig:
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
         if not self.eps > 0:
             raise ValueError(f"eps must be > 0, got {self.eps!r}")
+        if self.batching not in BATCHINGS:
+            raise ValueError(f"batching must be one of {list(BATCHINGS)}, got {self.batching!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
         if self.amp not in ("none", "bf16"):
@@ -193,6 +213,27 @@ class TrainConfig:
             raise ValueError("amp needs dtype='float32'")
         if self.dim % self.heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads})")
+
+
+def pad_multiple(cfg: TrainConfig) -> int | None:
+    """What a batch's length is rounded up to: None (pad to ``pad_to``) with ``batching="pad"``,
+    else :data:`PAD_MULTIPLE`, or its least common multiple with sinkhorn's ``block_size``."""
+    if cfg.batching == "pad":
+        return None
+    if cfg.method == "sinkhorn":
+        return math.lcm(PAD_MULTIPLE, int(cfg.method_options.get("block_size", 64)))
+    return PAD_MULTIPLE
+
+
+def eval_batches(data: listops.ListOpsDataset, indices: np.ndarray, batch_size: int, cfg: TrainConfig):
+    """The evaluation batches of ``indices``: in the given order with ``batching="pad"``, sorted by
+    length (stable) with ``batching="bucket"``; each as ``data.batch`` returns it."""
+    indices = np.asarray(indices, dtype=np.int64)
+    if cfg.batching == "bucket":
+        indices = indices[np.argsort(data.data.lengths()[indices], kind="stable")]
+    multiple = pad_multiple(cfg)
+    for a in range(0, len(indices), batch_size):
+        yield data.batch(indices[a:a + batch_size], cfg.pad_to, multiple)
 
 
 def lr_factor(step: int, *, warmup: int, total: int, schedule: str) -> float:
@@ -311,7 +352,7 @@ def _build_model(cfg: TrainConfig, device: torch.device) -> tuple[Encoder, float
 
 @torch.no_grad()
 def _evaluate(model: torch.nn.Module, data: listops.ListOpsDataset, indices: np.ndarray, batch_size: int,
-              cfg: TrainConfig, ctx: DistributedContext) -> tuple[float, float, int]:
+              cfg: TrainConfig, ctx: DistributedContext, progress: bool = False) -> tuple[float, float, int]:
     """Mean loss, accuracy and count over ``indices``, sharded over processes. Runs in eval
     mode under a forked, fixed RNG, so it is reproducible and leaves the training RNG as is."""
     was_training = model.training
@@ -321,8 +362,11 @@ def _evaluate(model: torch.nn.Module, data: listops.ListOpsDataset, indices: np.
     devices = [ctx.device.index] if ctx.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(cfg.seed + 12345)
-        for a in range(0, len(shard), batch_size):
-            tokens, pad, labels = data.batch(shard[a:a + batch_size], cfg.pad_to)
+        batches = eval_batches(data, shard, batch_size, cfg)
+        if progress:
+            from tqdm.auto import tqdm
+            batches = tqdm(batches, total=-(-len(shard) // batch_size), unit="batch", file=sys.stderr)
+        for tokens, pad, labels in batches:
             tokens, pad, labels = tokens.to(ctx.device), pad.to(ctx.device), labels.to(ctx.device)
             with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16"):
                 logits = model(tokens, pad)
@@ -341,6 +385,7 @@ def _atomic_json(path: Path, obj: Any) -> None:
 
 
 def _check_resume_config(saved: dict[str, Any], cfg: TrainConfig, world_size: int, saved_world: int) -> None:
+    saved = {**LEGACY_FIELDS, **saved}
     now = cfg.to_dict()
     diff = [k for k in TRAJECTORY_FIELDS if _normal(saved.get(k)) != _normal(now.get(k))]
     if diff:
@@ -357,6 +402,60 @@ def _normal(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _normal(v) for k, v in sorted(value.items())}
     return value
+
+
+def save_model(path: Path, cfg: TrainConfig, state: dict[str, torch.Tensor], step: int, **extra: Any) -> None:
+    """A model file: weights, the run's config and the step; all :func:`load_model` needs."""
+    ckpt.save_atomic({"kind": MODEL_KIND, "format": 1, "config": cfg.to_dict(), "step": step,
+                      "model": {k: v.detach().cpu() for k, v in state.items()}, **extra}, path)
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[Encoder, TrainConfig, dict]:
+    """Rebuild the encoder saved by a run (``model.pt``, ``best.pt`` or ``checkpoint.pt``) in eval
+    mode; returns ``(model, config, file contents)``. A file that is not a ListOps model of this
+    trainer raises ValueError."""
+    try:
+        saved = ckpt.load(path, map_location="cpu")
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise ValueError(f"{str(path)!r} is not a readable checkpoint ({str(e).splitlines()[0]})") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict) or "model" not in saved:
+        raise ValueError(f"{str(path)!r} is not a subquad ListOps checkpoint (no config and model)")
+    values = {**LEGACY_FIELDS, **saved["config"]}
+    if values.get("task") != "listops":
+        raise ValueError(f"{str(path)!r} is a checkpoint of task {values.get('task')!r}, not 'listops'")
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {k: v for k, v in values.items() if k in known}
+    values["betas"] = tuple(values.get("betas", (0.9, 0.999)))
+    cfg = TrainConfig(**values)
+    model, _ = _build_model(cfg, torch.device(device))
+    model.load_state_dict(saved["model"])
+    model.eval()
+    return model, cfg, saved
+
+
+def evaluate_model(model: torch.nn.Module, cfg: TrainConfig, data: listops.ListOpsDataset,
+                   indices: np.ndarray | None = None, *, progress: bool = False) -> tuple[float, float, int]:
+    """Mean loss, accuracy and count of ``model`` on ``data`` (all of it by default) with the
+    run's input pipeline, batch size and autocast: the numbers the trainer reports."""
+    indices = np.arange(len(data)) if indices is None else np.asarray(indices)
+    ctx = DistributedContext(device=next(model.parameters()).device)
+    return _evaluate(model, data, indices, cfg.batch_size, cfg, ctx, progress=progress)
+
+
+def _finished_run(cfg: TrainConfig, ctx: DistributedContext, out_dir: Path) -> dict[str, Any]:
+    """``OUT`` holds a finished run (results.json, no checkpoint): with ``resume``, return its
+    results if it was run with this configuration."""
+    results = json.loads((out_dir / RESULTS).read_text())
+    if not cfg.resume:
+        raise ValueError(f"{str(out_dir)!r} holds a finished run: pass resume=True (--resume) to read its "
+                         "results, or choose another output directory")
+    _check_resume_config(results["config"], cfg, ctx.world_size, results.get("world_size", 1))
+    if ctx.is_main:
+        print(f"{out_dir} is finished ({results['steps']} steps): test accuracy "
+              f"{100 * results['test_accuracy']:.2f}%", flush=True)
+    return results
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -380,6 +479,8 @@ def _train(cfg: TrainConfig, ctx: DistributedContext) -> dict[str, Any]:
                          f"({ctx.world_size})")
     local_batch = cfg.batch_size // ctx.world_size
     resume_state = None
+    if not ckpt_path.is_file() and (out_dir / RESULTS).is_file():
+        return _finished_run(cfg, ctx, out_dir)
     if ckpt_path.is_file():
         if not cfg.resume:
             raise ValueError(f"{str(ckpt_path)!r} exists: pass resume=True (--resume) to continue that run, "
@@ -413,8 +514,13 @@ def _train(cfg: TrainConfig, ctx: DistributedContext) -> dict[str, Any]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda e: lr_factor(e + 1, warmup=cfg.warmup_steps, total=cfg.steps, schedule=cfg.schedule))
-    sampler = ShardedBatchSampler(len(train_data), local_batch, world_size=ctx.world_size, rank=ctx.rank,
-                                  seed=cfg.seed)
+    if cfg.batching == "bucket":
+        sampler = BucketBatchSampler(splits["train"].lengths(), local_batch, world_size=ctx.world_size,
+                                     rank=ctx.rank, seed=cfg.seed, pool_batches=cfg.bucket_pool, cap=cfg.pad_to)
+    else:
+        sampler = ShardedBatchSampler(len(train_data), local_batch, world_size=ctx.world_size, rank=ctx.rank,
+                                      seed=cfg.seed)
+    multiple = pad_multiple(cfg)
     _seed_all(cfg.seed + 1 + ctx.rank)  # training randomness (dropout, stochastic methods), per process
 
     step = 0
@@ -477,7 +583,7 @@ def _train(cfg: TrainConfig, ctx: DistributedContext) -> dict[str, Any]:
     net.train()
     while step < cfg.steps:
         t0 = time.perf_counter()
-        tokens, pad, labels = train_data.batch(next(sampler), cfg.pad_to)
+        tokens, pad, labels = train_data.batch(next(sampler), cfg.pad_to, multiple)
         tokens, pad, labels = tokens.to(ctx.device), pad.to(ctx.device), labels.to(ctx.device)
         with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16"):
             logits = net(tokens, pad)
@@ -514,6 +620,8 @@ def _train(cfg: TrainConfig, ctx: DistributedContext) -> dict[str, Any]:
             if v_acc > best["accuracy"]:
                 best = {"accuracy": v_acc, "step": step}
                 best_state = {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
+                if main:
+                    save_model(out_dir / BEST_MODEL, cfg, best_state, step, val_accuracy=v_acc)
             log_row("val", step, v_loss, v_acc, v_n)
             progress.write(f"step {step}: val loss {v_loss:.4f}, accuracy {100 * v_acc:.2f}% "
                            f"(best {100 * best['accuracy']:.2f}% at step {best['step']})")
@@ -575,9 +683,9 @@ def _train(cfg: TrainConfig, ctx: DistributedContext) -> dict[str, Any]:
         "command": shlex.join(sys.argv),
     }
     if main:
-        final = {"config": cfg.to_dict(), "model": model.state_dict(), "step": step}
-        ckpt.save_atomic(final, out_dir / FINAL_MODEL)
+        save_model(out_dir / FINAL_MODEL, cfg, model.state_dict(), step)
         _atomic_json(out_dir / RESULTS, results)
+        ckpt_path.unlink()  # the run is complete: model.pt, best.pt and results.json are what remains
         metrics.close()
         say(f"test accuracy {100 * t_acc:.2f}% (final model), {100 * best_test:.2f}% (best validation model, "
             f"step {best['step']}); majority baseline {100 * majority_acc:.2f}%; {step} steps in "
