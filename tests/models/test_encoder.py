@@ -137,6 +137,24 @@ def test_sinusoidal_positions():
     assert "position_embedding" in dict(learned.named_parameters())
 
 
+@pytest.mark.parametrize("method", ["softmax", "nystrom"])
+def test_cls_pooling(method):
+    """pooling="cls": the summary is the final state of a learned first token (LRA's CLS); padding
+    still never reaches it, and the position table has one more row."""
+    model = _tiny_encoder(method, pooling="cls")
+    assert model.cls_token.shape == (1, 1, 16) and torch.count_nonzero(model.cls_token) == 0
+    assert model.position_embedding.shape[0] == model.max_len + 1
+    tokens, pad = _batch()
+    model.eval()
+    states = model.encode(tokens, pad)
+    assert states.shape == (4, tokens.shape[1] + 1, 16)
+    torch.testing.assert_close(model(tokens, pad), model.head(states[:, 0]))
+    torch.testing.assert_close(model(tokens.masked_fill(pad, 7), pad), model(tokens, pad), rtol=1e-10, atol=1e-10)
+    model(torch.ones(1, model.max_len, dtype=torch.int64))  # the longest input still fits
+    with pytest.raises(ValueError, match="pooling"):
+        _tiny_encoder(method, pooling="max")
+
+
 def test_classifier_head_shapes():
     assert isinstance(_tiny_encoder("linear", head_hidden=0).head, torch.nn.Linear)
     head = _tiny_encoder("linear", head_hidden=8).head

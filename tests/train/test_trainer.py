@@ -84,8 +84,10 @@ def test_defaults_are_the_nystromformer_lra_config():
     for key, value in PRESETS["nystromformer"].items():
         assert getattr(cfg, key) == value, key
     lra = TrainConfig.from_preset("lra", method="nystrom", steps=10)
-    got = (lra.layers, lra.dim, lra.heads, lra.ffn_dim, lra.schedule, lra.steps)
-    assert got == (4, 512, 8, 1024, "rsqrt", 10)
+    got = (lra.layers, lra.dim, lra.heads, lra.ffn_dim, lra.head_hidden, lra.pooling, lra.positions, lra.schedule,
+           lra.steps, lra.pad_to)
+    assert got == (6, 512, 8, 2048, 2048, "cls", "sinusoidal", "rsqrt", 10, 2000)
+    assert cfg.pooling == "mean"
     with pytest.raises(ValueError, match="unknown preset"):
         TrainConfig.from_preset("bert")
 

@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 POSITIONS = ("learned", "sinusoidal")
+POOLINGS = ("mean", "cls")
 
 
 class AttentionMixer(nn.Module):
@@ -144,15 +145,20 @@ class Encoder(nn.Module):
             (``softmax`` only).
         head_hidden: classifier ``Linear(dim, head_hidden), ReLU, Linear(head_hidden, classes)``;
             0 for a single ``Linear(dim, classes)``.
+        pooling: ``"mean"`` over real tokens, or ``"cls"``: a learned token (initialised to zeros)
+            is put before the sequence, before the positions are added (the table then has
+            ``max_len + 1`` rows), and its final state is the summary, as in the LRA code
+            (google-research/long-range-arena, ``classifier_pool="CLS"``).
 
     ``forward(tokens (B, N) int64, key_padding_mask (B, N) bool | None)`` -> logits ``(B, classes)``.
-    A row with no real token pools to zeros.
+    With mean pooling a row with no real token pools to zeros.
     """
 
     def __init__(self, vocab_size: int, num_classes: int, *, method: str = "softmax",
                  method_options: dict[str, Any] | None = None, dim: int = 64, depth: int = 2, heads: int = 2,
                  ffn_dim: int = 128, max_len: int = 2048, positions: str = "learned", dropout: float = 0.1,
-                 attention_dropout: float = 0.0, head_hidden: int = 128, device=None, dtype=None):
+                 attention_dropout: float = 0.0, head_hidden: int = 128, pooling: str = "mean", device=None,
+                 dtype=None):
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("num_classes", num_classes), ("dim", dim),
                             ("depth", depth), ("heads", heads), ("ffn_dim", ffn_dim), ("max_len", max_len)):
@@ -163,6 +169,8 @@ class Encoder(nn.Module):
             raise ValueError(f"dim ({dim}) must be divisible by heads ({heads})")
         if positions not in POSITIONS:
             raise ValueError(f"positions must be one of {list(POSITIONS)}, got {positions!r}")
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {list(POOLINGS)}, got {pooling!r}")
         _dropout("dropout", dropout)
         _dropout("attention_dropout", attention_dropout)
         if method_options is not None and not isinstance(method_options, dict):
@@ -172,13 +180,17 @@ class Encoder(nn.Module):
         self.method_options = dict(method_options or {})
         self.max_len = max_len
         self.positions = positions
+        self.pooling = pooling
         self.token_embedding = nn.Embedding(vocab_size, dim, **factory)
         nn.init.normal_(self.token_embedding.weight, std=0.02)
+        table_len = max_len + (pooling == "cls")
+        if pooling == "cls":
+            self.cls_token = nn.Parameter(torch.zeros(1, 1, dim, **factory))
         if positions == "learned":
-            self.position_embedding = nn.Parameter(torch.empty(max_len, dim, **factory))
+            self.position_embedding = nn.Parameter(torch.empty(table_len, dim, **factory))
             nn.init.normal_(self.position_embedding, std=0.02)
         else:
-            table = sinusoidal_positions(max_len, dim)
+            table = sinusoidal_positions(table_len, dim)
             table = table.to(device=device, dtype=dtype or torch.get_default_dtype())
             self.register_buffer("position_embedding", table, persistent=False)
         self.embed_dropout = nn.Dropout(dropout)
@@ -195,7 +207,8 @@ class Encoder(nn.Module):
             self.head = nn.Linear(dim, num_classes, **factory)
 
     def encode(self, tokens: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
-        """Token states ``(B, N, dim)`` after the final LayerNorm (padded rows are meaningless)."""
+        """Token states ``(B, N, dim)`` after the final LayerNorm (padded rows are meaningless);
+        ``(B, 1 + N, dim)`` with the summary token first when ``pooling="cls"``."""
         integer = (torch.int64, torch.int32)
         if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.dtype not in integer:
             what = (f"{tokens.dtype} {tuple(tokens.shape)}" if isinstance(tokens, Tensor)
@@ -210,14 +223,22 @@ class Encoder(nn.Module):
             if key_padding_mask.shape != tokens.shape:
                 raise ValueError(f"key_padding_mask must have the shape of tokens {tuple(tokens.shape)}, "
                                  f"got {tuple(key_padding_mask.shape)}")
-        x = self.token_embedding(tokens) + self.position_embedding[:n]
+        x = self.token_embedding(tokens)
+        if self.pooling == "cls":
+            x = torch.cat([self.cls_token.expand(x.shape[0], 1, -1).to(x.dtype), x], dim=1)
+            if key_padding_mask is not None:
+                key_padding_mask = F.pad(key_padding_mask, (1, 0), value=False)
+        x = x + self.position_embedding[:x.shape[1]]
         x = self.embed_dropout(x)
         for block in self.blocks:
             x = block(x, key_padding_mask)
         return self.norm(x)
 
     def pool(self, states: Tensor, key_padding_mask: Tensor | None) -> Tensor:
-        """Mean of ``states (B, N, C)`` over real tokens -> ``(B, C)``."""
+        """Mean of ``states (B, N, C)`` over real tokens -> ``(B, C)``; the first state with
+        ``pooling="cls"``."""
+        if self.pooling == "cls":
+            return states[:, 0]
         if key_padding_mask is None:
             return states.mean(dim=1)
         total = states.masked_fill(key_padding_mask[:, :, None], 0.0).sum(dim=1)
@@ -229,7 +250,8 @@ class Encoder(nn.Module):
 
     def extra_repr(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.method_options.items())
-        return f"method={self.method!r}" + (f", {opts}" if opts else "") + f", positions={self.positions!r}"
+        return (f"method={self.method!r}" + (f", {opts}" if opts else "") + f", positions={self.positions!r}, "
+                f"pooling={self.pooling!r}")
 
 
 def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:

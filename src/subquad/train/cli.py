@@ -153,6 +153,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--heads", type=int)
     g.add_argument("--ffn-dim", type=int)
     g.add_argument("--positions", choices=("learned", "sinusoidal"))
+    g.add_argument("--pooling", choices=("mean", "cls"), help="summary of the sequence: mean of real tokens, or "
+                   "a learned first token (LRA's CLS)")
     g.add_argument("--dropout", type=float)
     g.add_argument("--attn-dropout", type=float, help="dropout on attention weights (softmax only)")
     g.add_argument("--head-hidden", type=int, help="classifier hidden width (0: one linear layer)")
@@ -201,7 +203,7 @@ def config_from_args(args: argparse.Namespace):
     options = parse_method_options(args.option, getattr(args, "extra_options", None))
     overrides = {
         "layers": args.layers, "dim": args.dim, "heads": args.heads, "ffn_dim": args.ffn_dim,
-        "positions": args.positions, "dropout": args.dropout, "attention_dropout": args.attn_dropout,
+        "positions": args.positions, "pooling": args.pooling, "dropout": args.dropout, "attention_dropout": args.attn_dropout,
         "head_hidden": args.head_hidden, "batch_size": args.batch_size, "lr": args.lr,
         "warmup_steps": args.warmup_steps, "schedule": args.schedule, "steps": args.steps,
         "weight_decay": args.weight_decay, "betas": tuple(args.betas) if args.betas else None,
