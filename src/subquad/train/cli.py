@@ -203,7 +203,8 @@ def config_from_args(args: argparse.Namespace):
     options = parse_method_options(args.option, getattr(args, "extra_options", None))
     overrides = {
         "layers": args.layers, "dim": args.dim, "heads": args.heads, "ffn_dim": args.ffn_dim,
-        "positions": args.positions, "pooling": args.pooling, "dropout": args.dropout, "attention_dropout": args.attn_dropout,
+        "positions": args.positions, "pooling": args.pooling, "dropout": args.dropout,
+        "attention_dropout": args.attn_dropout,
         "head_hidden": args.head_hidden, "batch_size": args.batch_size, "lr": args.lr,
         "warmup_steps": args.warmup_steps, "schedule": args.schedule, "steps": args.steps,
         "weight_decay": args.weight_decay, "betas": tuple(args.betas) if args.betas else None,
