@@ -8,6 +8,8 @@ features for eval, Nyström's depthwise conv skip; later sort and landmark netwo
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Any
 
 import torch
@@ -15,10 +17,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..ops._masks import masked_fill_value
 from ..ops.performer import random_projection
 from ..registry import MethodInfo, get_method
 
-__all__ = ["MultiheadAttention", "AttentionCore", "register_core"]
+__all__ = ["MultiheadAttention", "AttentionCore", "register_core", "MHAShapeError", "MHADtypeError",
+           "MHAMaskShapeError"]
 
 
 class AttentionCore(nn.Module):
@@ -44,8 +48,17 @@ class AttentionCore(nn.Module):
     def op_options(self) -> dict[str, Any]:
         return dict(self.options)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool,
+                extra_keys: int = 0) -> Tensor:
+        """q ``(B, H, N, hd)``, k, v ``(B, H, M, hd)`` -> ``(B, H, N, hd)``. ``extra_keys``: how many
+        of the last keys are ``add_bias_kv`` / ``add_zero_attn`` extras (not tokens of the input)."""
         return self.method.op(q, k, v, key_padding_mask=key_padding_mask, causal=causal, **self.op_options())
+
+    def reset_parameters(self) -> None:
+        """Re-initialise what the core owns (default: every child's own ``reset_parameters``)."""
+        for child in self.children():
+            if hasattr(child, "reset_parameters"):
+                child.reset_parameters()
 
     def extra_repr(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
@@ -71,6 +84,77 @@ class SoftmaxCore(AttentionCore):
 
     def op_options(self):
         return {**self.options, "dropout_p": self.dropout if self.training else 0.0}
+
+    def forward_masked(self, q: Tensor, k: Tensor, v: Tensor, extra_k: Tensor | None, extra_v: Tensor | None,
+                       key_padding_mask: Tensor | None, attn_mask: Tensor | None, causal: bool,
+                       need_weights: bool) -> tuple[Tensor, Tensor | None]:
+        """Exact attention with torch's masks: q ``(B, H, L, hd)``, k, v ``(B, H, S, hd)``, extra
+        keys/values ``(B, H, e, hd)`` appended and seen by every query, ``key_padding_mask``
+        ``(B, S)`` and ``attn_mask`` ``(1 or B, 1 or H, L, S)``, bool (True = masked) or float
+        (added). ``causal`` applies when there is no ``attn_mask`` (torch's ``is_causal`` is a hint
+        about it). Returns ``(out (B, H, L, hd), weights (B, H, L, S + e) or None)``; weights are
+        after dropout, as torch returns them. A query with every key masked outputs zeros."""
+        L, S = q.shape[2], k.shape[2]
+        if extra_k is not None:
+            k, v = torch.cat([k, extra_k], 2), torch.cat([v, extra_v], 2)
+        e = k.shape[2] - S
+        blocked = bias = None
+        masks = []
+        # plain causal attention goes to SDPA as is_causal, as torch sends it
+        sdpa_causal = causal and attn_mask is None and key_padding_mask is None and not e and not need_weights
+        if attn_mask is not None:
+            masks.append(attn_mask)
+        elif causal and not sdpa_causal:
+            masks.append(torch.ones(L, S, dtype=torch.bool, device=q.device).triu_(1)[None, None])
+        if key_padding_mask is not None:
+            masks.append(key_padding_mask[:, None, None, :])
+        for mask in masks:
+            bl, bi = _blocked_and_bias(mask)
+            if e:
+                bl = F.pad(bl, (0, e))
+                bi = None if bi is None else F.pad(bi, (0, e))
+            blocked = bl if blocked is None else blocked | bl
+            if bi is not None:
+                bias = bi if bias is None else bias + bi
+        dtype = q.dtype
+        if torch.is_autocast_enabled(q.device.type):
+            dtype = torch.get_autocast_dtype(q.device.type)
+        p = self.dropout if self.training else 0.0
+        empty = None if blocked is None else blocked.all(-1, keepdim=True)
+        if need_weights:
+            logits = (q * math.sqrt(1.0 / self.head_dim)) @ k.transpose(-2, -1)
+            if bias is not None:
+                logits = logits + bias.to(logits.dtype)
+            if blocked is not None:
+                logits = logits.masked_fill(blocked, masked_fill_value(logits.dtype))
+            w = torch.softmax(logits, dim=-1)
+            if empty is not None:
+                w = w.masked_fill(empty, 0.0)
+            if p > 0:
+                w = F.dropout(w, p)
+            return w @ v, w
+        attn = None
+        if bias is not None or blocked is not None:
+            attn = torch.zeros((), dtype=dtype, device=q.device) if bias is None else bias.to(dtype)
+            if blocked is not None:
+                attn = attn.masked_fill(blocked, masked_fill_value(dtype))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn, dropout_p=p,
+                                             is_causal=sdpa_causal, scale=self.head_dim ** -0.5)
+        if empty is not None:
+            out = out.masked_fill(empty, 0.0)
+        return out, None
+
+
+@register_core("ra")
+class RaCore(AttentionCore):
+    """Randomized attention: the op's ``estimator`` (default ``"sample"``, stochastic) while the
+    module trains; in eval always ``estimator="mixture_mean"`` (the estimator's deterministic
+    value at the mixture mean, Zheng et al. 2022, Sec. 3), so ``.eval()`` is deterministic."""
+
+    def op_options(self):
+        if self.training:
+            return dict(self.options)
+        return {**self.options, "estimator": "mixture_mean"}
 
 
 @register_core("performer")
@@ -99,6 +183,11 @@ class PerformerCore(AttentionCore):
         w = random_projection(o.num_features, self.head_dim, orthogonal=o.orthogonal, generator=generator)
         self.features.copy_(w)
 
+    def reset_parameters(self) -> None:
+        """Redraw the fixed projection (from the ``generator`` option if one was given); this is
+        what initialises the buffer after ``to_empty()`` of a meta-device module."""
+        self.redraw(self.method.make_options(**self.options).generator)
+
     def op_options(self):
         if self.training and self.redraw_features:
             return dict(self.options)
@@ -125,13 +214,15 @@ class NystromCore(AttentionCore):
             self.conv = nn.Conv2d(num_heads, num_heads, (ks, 1), padding=(ks // 2, 0), groups=num_heads,
                                   bias=False, device=device, dtype=dtype)
 
-    def forward(self, q, k, v, key_padding_mask, causal):
+    def forward(self, q, k, v, key_padding_mask, causal, extra_keys=0):
         out = super().forward(q, k, v, key_padding_mask, causal)
         if self.conv is not None:
-            if q.shape[2] != v.shape[2]:
+            m = v.shape[2] - extra_keys  # the conv runs over the input's values, not the extras
+            if q.shape[2] != m:
                 raise ValueError("nystrom: the conv skip needs equal query and key lengths")
+            v = v[:, :, :m]
             if key_padding_mask is not None:
-                v = v.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+                v = v.masked_fill(key_padding_mask[:, None, :m, None], 0.0)
             out = out + self.conv(v)
         return out
 
@@ -139,34 +230,65 @@ class NystromCore(AttentionCore):
         return super().extra_repr() + (f", conv_kernel_size={self.conv.kernel_size[0]}" if self.conv else "")
 
 
+class MHAShapeError(ValueError, AssertionError):
+    """A bad argument shape or dtype: a ValueError, and also the AssertionError that
+    ``torch.nn.MultiheadAttention`` raises for the same mistake (so code written for torch's
+    exceptions keeps working)."""
+
+
+class MHADtypeError(TypeError, AssertionError):
+    """A mask of a dtype other than bool or float: a TypeError, and also the AssertionError
+    ``torch.nn.MultiheadAttention`` raises."""
+
+
+class MHAMaskShapeError(ValueError, RuntimeError):
+    """A bad ``attn_mask`` shape or a shape torch rejects inside an op: a ValueError, and also
+    the RuntimeError ``torch.nn.MultiheadAttention`` raises there."""
+
+
+def _check_mask_dtype(name: str, mask: Tensor) -> None:
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{name} must be a tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise MHADtypeError(f"{name} must be bool or float (bool: True = masked; float: added to the logits), "
+                            f"got {mask.dtype}")
+
+
+def _blocked_and_bias(mask: Tensor) -> tuple[Tensor, Tensor | None]:
+    """A torch-style mask split into bool ``blocked`` (True or -inf) and the finite additive bias
+    of a float mask (None for bool masks)."""
+    if mask.dtype == torch.bool:
+        return mask, None
+    blocked = torch.isneginf(mask)
+    return blocked, mask.masked_fill(blocked, 0.0)
+
+
 def _as_padding_mask(mask: Tensor | None, batch: int, length: int) -> Tensor | None:
-    """Bool (True = padding) from a bool mask or a float additive mask of 0 / -inf."""
+    """Bool ``(batch, length)`` (True = padding) from a bool mask or a float additive mask of 0 / -inf."""
     if mask is None:
         return None
-    if not isinstance(mask, Tensor):
-        raise TypeError(f"key_padding_mask must be a tensor, got {type(mask).__name__}")
+    _check_mask_dtype("key_padding_mask", mask)
     if tuple(mask.shape) != (batch, length):
-        raise ValueError(f"key_padding_mask must have shape (batch, source length) = {(batch, length)}, "
-                         f"got {tuple(mask.shape)}")
-    if mask.dtype == torch.bool:
-        return mask
-    if mask.is_floating_point():
-        pad = torch.isneginf(mask)
-        if not torch.all(pad | (mask == 0)):
-            raise ValueError("a float key_padding_mask may hold only 0 (keep) and -inf (padding); "
-                             "other additive biases are not supported")
-        return pad
-    raise TypeError(f"key_padding_mask must be bool or float, got {mask.dtype}")
+        raise MHAShapeError(f"key_padding_mask must have shape (batch, source length) = {(batch, length)}, "
+                            f"got {tuple(mask.shape)}")
+    blocked, bias = _blocked_and_bias(mask)
+    if bias is not None and bool(bias.ne(0).any()):
+        raise ValueError("a float key_padding_mask may hold only 0 (keep) and -inf (padding) for approximate "
+                         "methods; other additive biases need method='softmax'")
+    return blocked
 
 
-def _is_causal_mask(mask: Tensor, n: int, s: int) -> bool:
-    if tuple(mask.shape) != (n, s) or n != s:
+def _is_causal_pattern(blocked: Tensor) -> bool:
+    """True when ``blocked`` ``(..., L, S)`` hides exactly the future keys (L == S) everywhere."""
+    n, s = blocked.shape[-2:]
+    if n != s:
         return False
-    future = torch.ones(n, s, dtype=torch.bool, device=mask.device).triu_(1)
-    blocked = mask if mask.dtype == torch.bool else torch.isneginf(mask)
-    if mask.dtype != torch.bool and not torch.all(torch.isneginf(mask) | (mask == 0)):
-        return False
-    return bool(torch.equal(blocked, future))
+    future = torch.ones(n, s, dtype=torch.bool, device=blocked.device).triu_(1)
+    return bool(torch.equal(blocked, future.expand_as(blocked)))
+
+
+def _nested_lengths(t: Tensor) -> list[int]:
+    return [int(x.shape[0]) for x in t.unbind()]
 
 
 class MultiheadAttention(nn.Module):
@@ -176,15 +298,34 @@ class MultiheadAttention(nn.Module):
     add_zero_attn=False, kdim=None, vdim=None, batch_first=False, device=None, dtype=None``;
     then ``method`` (a name from :func:`subquad.list_methods`) and its options, e.g.
     ``MultiheadAttention(512, 8, method="nystrom", num_landmarks=64, batch_first=True)``.
+    Parameter names, shapes and initialisation are torch's, so state dicts load both ways.
     ``dropout`` (on attention weights) exists only for ``softmax``. ``add_bias_kv`` and
-    ``add_zero_attn`` are not supported.
+    ``add_zero_attn`` append one learned / one zero key and value, visible to every query (causal
+    methods get them as a prefix, so that causality holds for the input's tokens).
 
-    ``forward(query, key, value, key_padding_mask=None, need_weights=False, attn_mask=None,
-    average_attn_weights=True, is_causal=False)`` returns ``(output, weights)``; weights are
-    None unless ``need_weights=True``, which only the exact ``softmax`` method can honour.
-    ``key_padding_mask`` is bool (True = padding) or float 0/-inf as in torch. ``attn_mask``
-    may only be the causal mask (or pass ``is_causal=True``). Works as the ``self_attn`` of a
-    ``torch.nn.TransformerEncoderLayer``.
+    ``forward(query, key, value, key_padding_mask=None, need_weights=None, attn_mask=None,
+    average_attn_weights=True, is_causal=False)`` takes ``(L, N, E)`` (``(N, L, E)`` with
+    ``batch_first``), unbatched ``(L, E)`` (whatever ``batch_first`` says) or nested tensors
+    ``(N, *, E)`` and returns ``(output, weights)``:
+
+    - ``method="softmax"`` computes what torch computes for every argument: masks 2-D ``(L, S)`` or
+      3-D ``(N * num_heads, L, S)``, bool (True = masked) or float (added to the logits),
+      ``key_padding_mask`` ``(N, S)`` bool or float, weights averaged over heads ``(N, L, S)`` or
+      per head ``(N, num_heads, L, S)`` (``need_weights=None`` means torch's default True). One
+      difference: a query whose every key is masked outputs zeros (torch gives NaN), and
+      ``is_causal=True`` needs no ``attn_mask``.
+    - Other methods never form the weight matrix: ``weights`` is None. The default
+      (``need_weights=None``) returns None quietly; an explicit ``need_weights=True`` also warns,
+      once per module. ``attn_mask`` is accepted only where the method honours it exactly: all
+      masked-nothing, the causal mask (same as ``is_causal=True``), or a mask that hides the same
+      keys from every query and head (a key padding mask); anything else is a ValueError naming
+      the method. A float ``key_padding_mask`` may hold only 0 and -inf.
+
+    Bad shapes raise :class:`MHAShapeError` / :class:`MHAMaskShapeError`, ValueErrors that are
+    also the AssertionError / RuntimeError torch raises for the same mistake. Works as the
+    ``self_attn`` / ``multihead_attn`` of ``torch.nn.TransformerEncoderLayer`` and
+    ``TransformerDecoderLayer``, also when swapped into an already built ``TransformerEncoder``
+    (whose eval fast path hands over nested tensors).
     """
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
@@ -198,8 +339,9 @@ class MultiheadAttention(nn.Module):
             raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
-        if add_bias_kv or add_zero_attn:
-            raise ValueError("subquad.MultiheadAttention does not support add_bias_kv or add_zero_attn")
+        for name, d in (("kdim", kdim), ("vdim", vdim)):
+            if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d <= 0):
+                raise ValueError(f"{name} must be a positive int or None, got {d!r}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         info = get_method(method)
@@ -218,11 +360,12 @@ class MultiheadAttention(nn.Module):
         self.dropout = dropout
         self.batch_first = batch_first
         self.method = method
+        self.add_zero_attn = bool(add_zero_attn)
         packed = self.kdim == embed_dim and self.vdim == embed_dim
         self._packed_qkv = packed
         # torch's TransformerEncoder(Layer) reads this flag to pick its fused exact-attention
-        # fast path; only the softmax method may take it.
-        self._qkv_same_embed_dim = packed and method == "softmax"
+        # fast path; only plain softmax may take it (the fused kernel knows no extra keys).
+        self._qkv_same_embed_dim = packed and method == "softmax" and not (add_bias_kv or add_zero_attn)
         if packed:
             self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, **factory))
             self.register_parameter("q_proj_weight", None)
@@ -238,11 +381,19 @@ class MultiheadAttention(nn.Module):
         else:
             self.register_parameter("in_proj_bias", None)
         self.out_proj = nn.modules.linear.NonDynamicallyQuantizableLinear(embed_dim, embed_dim, bias=bias, **factory)
+        if add_bias_kv:
+            self.bias_k = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+            self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+        else:
+            self.bias_k = self.bias_v = None
+        self._reset_parameters()  # torch's order of draws: the same seed gives torch's weights
         core_cls = _CORES.get(method, AttentionCore)
         self.core = core_cls(info, num_heads, self.head_dim, options, dropout=dropout, **factory)
-        self._reset_parameters()
+        self._warned_weights = False
 
     def _reset_parameters(self) -> None:
+        """torch's initialisation of the projections (xavier uniform, zero biases, xavier normal
+        ``bias_k`` / ``bias_v``); ``out_proj.weight`` keeps the init of its ``nn.Linear``."""
         if self._packed_qkv:
             nn.init.xavier_uniform_(self.in_proj_weight)
         else:
@@ -252,6 +403,18 @@ class MultiheadAttention(nn.Module):
         if self.in_proj_bias is not None:
             nn.init.constant_(self.in_proj_bias, 0.0)
             nn.init.constant_(self.out_proj.bias, 0.0)
+        if self.bias_k is not None:
+            nn.init.xavier_normal_(self.bias_k)
+            nn.init.xavier_normal_(self.bias_v)
+
+    def reset_parameters(self) -> None:
+        """Initialise every parameter and buffer as a fresh module would: ``out_proj``, the q/k/v
+        projections and biases (torch's init, in torch's order), then the core's own state
+        (Performer's projection buffer, landmark and sort networks, Nyström's conv). Use it after
+        ``to_empty()`` of a module built on the meta device."""
+        self.out_proj.reset_parameters()
+        self._reset_parameters()
+        self.core.reset_parameters()
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         E = self.embed_dim
@@ -266,86 +429,194 @@ class MultiheadAttention(nn.Module):
         return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None = None,
-                need_weights: bool = False, attn_mask: Tensor | None = None,
+                need_weights: bool | None = None, attn_mask: Tensor | None = None,
                 average_attn_weights: bool = True, is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
+        """See the class docstring. Returns ``(output, weights)``: output ``(L, N, E)`` /
+        ``(N, L, E)`` / ``(L, E)`` (nested in, nested out); weights as torch's or None."""
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
-            if t.is_nested:
-                raise TypeError(f"{name} is a nested tensor; subquad.MultiheadAttention takes padded "
-                                "tensors and a key_padding_mask (build torch.nn.TransformerEncoder with "
-                                "enable_nested_tensor=False)")
-        if need_weights and self.method != "softmax":
-            raise ValueError(f"need_weights=True needs the exact weight matrix, which method {self.method!r} "
-                             "never forms; use method='softmax' or need_weights=False")
-        unbatched = query.dim() == 2
+        exact = self.method == "softmax"
+        if need_weights is None:
+            need_weights = exact
+        elif need_weights and not exact:
+            if not self._warned_weights:
+                warnings.warn(f"need_weights=True: method {self.method!r} never forms the attention weight "
+                              "matrix, so the weights returned are None (pass need_weights=False to say so)",
+                              UserWarning, stacklevel=2)
+                self._warned_weights = True
+            need_weights = False
+        if query.is_nested or key.is_nested or value.is_nested:
+            return self._forward_nested(query, key, value, key_padding_mask, attn_mask, is_causal)
+        return self._forward_dense(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                   average_attn_weights, bool(is_causal), self.batch_first)
+
+    def _forward_dense(self, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
+                       is_causal, batch_first):
+        exact = self.method == "softmax"
+        unbatched = self._check_shapes(query, key, value, key_padding_mask, attn_mask)
         if unbatched:
-            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
             if key_padding_mask is not None:
                 key_padding_mask = key_padding_mask.unsqueeze(0)
-        for name, t, dim in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):
-            if t.dim() != 3:
-                raise ValueError(f"{name} must be 2-D (unbatched) or 3-D, got shape {tuple(t.shape)}")
-            if t.shape[-1] != dim:
-                raise ValueError(f"{name} must have last dimension {dim}, got {t.shape[-1]}")
-        if self.batch_first:
-            B, N, S = query.shape[0], query.shape[1], key.shape[1]
-        else:
-            B, N, S = query.shape[1], query.shape[0], key.shape[0]
+        elif not batch_first:
             # keep identity (query is key is value) so the packed projection runs once
             tq = query.transpose(0, 1)
             tk = tq if key is query else key.transpose(0, 1)
             value = tk if value is key else value.transpose(0, 1)
             query, key = tq, tk
-        if key.shape[:2] != value.shape[:2] or key.shape[0] != B:
-            raise ValueError(
-                f"key and value must share batch and length, got {tuple(key.shape)} and {tuple(value.shape)}"
-            )
-        pad = _as_padding_mask(key_padding_mask, B, S)
-        causal = bool(is_causal)
-        if attn_mask is not None and not causal:
-            if not _is_causal_mask(attn_mask, N, S):
-                raise ValueError("subquad.MultiheadAttention accepts attn_mask only as the causal mask "
-                                 "(or pass is_causal=True); use key_padding_mask for padding")
-            causal = True
+        B, L, S = query.shape[0], query.shape[1], key.shape[1]
+        if key.shape[0] != B:
+            raise MHAMaskShapeError(f"query and key must have the same batch size, got {B} and {key.shape[0]}")
+        if attn_mask is not None:
+            _check_mask_dtype("attn_mask", attn_mask)
+            want = (L, S) if attn_mask.dim() == 2 else (B * self.num_heads, L, S)
+            if tuple(attn_mask.shape) != want:
+                raise MHAMaskShapeError(f"attn_mask of {attn_mask.dim()} dims must have shape {want}, "
+                                        f"got {tuple(attn_mask.shape)}")
+            attn_mask = attn_mask.view(1, 1, L, S) if attn_mask.dim() == 2 else attn_mask.view(B, -1, L, S)
+        if key_padding_mask is not None:
+            _check_mask_dtype("key_padding_mask", key_padding_mask)
+            if tuple(key_padding_mask.shape) != (B, S):
+                raise MHAShapeError(f"key_padding_mask must have shape (batch, source length) = {(B, S)}, "
+                                    f"got {tuple(key_padding_mask.shape)}")
         q, k, v = self._project(query, key, value)
         H, hd = self.num_heads, self.head_dim
         q = q.unflatten(-1, (H, hd)).transpose(1, 2)
         k = k.unflatten(-1, (H, hd)).transpose(1, 2)
         v = v.unflatten(-1, (H, hd)).transpose(1, 2)
-        weights = None
-        if need_weights:
-            out, weights = self._exact_with_weights(q, k, v, pad, causal)
-            if average_attn_weights:
+        extra_k, extra_v = self._extra_keys(B, k)
+        if exact:
+            out, weights = self.core.forward_masked(q, k, v, extra_k, extra_v, key_padding_mask, attn_mask,
+                                                    is_causal, need_weights)
+            if weights is not None and average_attn_weights:
                 weights = weights.mean(1)
         else:
-            out = self.core(q, k, v, pad, causal)
+            out, weights = self._approximate(q, k, v, extra_k, extra_v, key_padding_mask, attn_mask,
+                                             is_causal), None
         out = self.out_proj(out.transpose(1, 2).flatten(2))
-        if not self.batch_first:
-            out = out.transpose(0, 1)
         if unbatched:
-            out = out.squeeze(1)
+            out = out.squeeze(0)
             if weights is not None:
                 weights = weights.squeeze(0)
+        elif not batch_first:
+            out = out.transpose(0, 1)
         return out, weights
 
     # torch's TransformerEncoderLayer fast path (taken for method="softmax" in eval under no_grad)
     # calls self_attn.merge_masks; the combination only needs num_heads, so torch's method serves
     merge_masks = nn.MultiheadAttention.merge_masks
 
-    def _exact_with_weights(self, q, k, v, pad, causal):
-        from ..ops.exact import attention_bias
+    def _check_shapes(self, query, key, value, key_padding_mask, attn_mask) -> bool:
+        """torch's shape rules; True when the input is unbatched (2-D query)."""
+        if query.dim() not in (2, 3):
+            raise MHAShapeError(f"query should be unbatched 2-D or batched 3-D, got {query.dim()}-D")
+        want = query.dim()
+        for name, t in (("key", key), ("value", value)):
+            if t.dim() != want:
+                raise MHAShapeError(f"for {'batched' if want == 3 else 'unbatched'} {want}-D query, {name} "
+                                    f"should be {want}-D, got {t.dim()}-D")
+        if key_padding_mask is not None and isinstance(key_padding_mask, Tensor) and key_padding_mask.dim() != want - 1:
+            raise MHAShapeError(f"for {want}-D query, key_padding_mask should be {want - 1}-D, "
+                                f"got {key_padding_mask.dim()}-D")
+        if attn_mask is not None and isinstance(attn_mask, Tensor) and attn_mask.dim() not in (2, 3):
+            raise MHAShapeError(f"attn_mask should be 2-D or 3-D, got {attn_mask.dim()}-D")
+        if query.shape[-1] != self.embed_dim:
+            raise MHAShapeError(f"query must have embedding dimension {self.embed_dim}, got {query.shape[-1]}")
+        for name, t, dim in (("key", key, self.kdim), ("value", value, self.vdim)):
+            if t.shape[-1] != dim:
+                raise MHAMaskShapeError(f"{name} must have last dimension {dim}, got {t.shape[-1]}")
+        if key.shape[:-1] != value.shape[:-1]:
+            raise MHAShapeError(f"key and value must share batch and length, got {tuple(key.shape)} and "
+                                f"{tuple(value.shape)}")
+        return want == 2
 
-        logits = (q @ k.transpose(-2, -1)) * (self.head_dim ** -0.5)
-        bias = attention_bias(pad, q.shape[2], k.shape[2], causal, logits.dtype, q.device)
-        if bias is not None:
-            logits = logits + bias
-        w = torch.softmax(logits, dim=-1)
+    def _extra_keys(self, batch: int, k: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """The ``add_bias_kv`` and ``add_zero_attn`` keys and values, ``(B, H, e, hd)`` (e <= 2), or None."""
+        ks, vs = [], []
+        shape = (batch, self.num_heads, 1, self.head_dim)
+        if self.bias_k is not None:
+            ks.append(self.bias_k.to(k.dtype).view(1, self.num_heads, 1, self.head_dim).expand(shape))
+            vs.append(self.bias_v.to(k.dtype).view(1, self.num_heads, 1, self.head_dim).expand(shape))
+        if self.add_zero_attn:
+            zero = k.new_zeros(shape)
+            ks.append(zero)
+            vs.append(zero)
+        if not ks:
+            return None, None
+        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+
+    def _approximate(self, q, k, v, extra_k, extra_v, key_padding_mask, attn_mask, causal) -> Tensor:
+        """Every method but softmax: reduce the masks to (key padding, causal) or refuse, then
+        add the extra keys and call the core."""
+        B, S = k.shape[0], k.shape[2]
+        pad = _as_padding_mask(key_padding_mask, B, S)
+        if attn_mask is not None:
+            blocked, bias = _blocked_and_bias(attn_mask)
+            if bias is not None and bool(bias.ne(0).any()):
+                raise ValueError(f"method {self.method!r} cannot add a float attn_mask to its logits (it never "
+                                 "forms them); only 0 / -inf masks that are causal or hide whole keys, or "
+                                 "method='softmax'")
+            if not bool(blocked.any()):
+                pass
+            elif _is_causal_pattern(blocked):
+                causal = True
+            elif bool((blocked == blocked[:, :1, :1, :]).all()):
+                keys = blocked[:, 0, 0, :].expand(B, S)
+                pad = keys if pad is None else pad | keys
+            else:
+                raise ValueError(f"method {self.method!r} cannot honour this attn_mask exactly: it takes only "
+                                 "the causal mask (or is_causal=True) and masks that hide the same keys from "
+                                 "every query (use key_padding_mask); use method='softmax' for other masks")
+        if extra_k is None:
+            return self.core(q, k, v, pad, causal)
+        e = extra_k.shape[2]
+        info = self.core.method
         if pad is not None:
-            from ..ops._masks import no_key_rows
+            pad = torch.cat([pad, pad.new_zeros(B, e)], dim=1)
+        if not causal and info.cross_attention:
+            # extra keys appended, as torch does; every query sees them
+            return self.core(q, torch.cat([k, extra_k], 2), torch.cat([v, extra_v], 2), pad, causal, extra_keys=e)
+        # causal or self-attention-only methods: the extras go first, with e placeholder queries
+        # (zeros, outputs dropped), so that every real query sees them and causality holds
+        if pad is not None:
+            pad = pad.roll(e, dims=1)
+        q = torch.cat([q.new_zeros(q.shape[:2] + (e, q.shape[3])), q], 2)
+        out = self.core(q, torch.cat([extra_k, k], 2), torch.cat([extra_v, v], 2), pad, causal)
+        return out[:, :, e:]
 
-            w = w.masked_fill(no_key_rows(pad, q.shape[2], causal), 0.0)
-        return F.dropout(w, self.dropout, self.training) @ v, w
+    def _forward_nested(self, query, key, value, key_padding_mask, attn_mask, is_causal):
+        """Nested ``(N, *, E)`` inputs (what torch's encoder fast path hands its layers): padded
+        tensors plus the key padding mask their lengths imply, then a nested output with the
+        query's lengths. Weights are None, as torch returns them for nested inputs."""
+        if key_padding_mask is not None or attn_mask is not None:
+            raise ValueError("with nested tensor inputs the lengths are the padding: pass no "
+                             "key_padding_mask or attn_mask")
+        nested = {}
+        padded = []
+        for t in (query, key, value):
+            if id(t) not in nested:
+                if t.is_nested:
+                    nested[id(t)] = (torch.nested.to_padded_tensor(t, 0.0), _nested_lengths(t))
+                else:
+                    nested[id(t)] = (t, None)
+            padded.append(nested[id(t)][0])
+        q, k, v = padded
+        lengths_q = nested[id(query)][1]
+        lengths_k = nested[id(key)][1]
+        if lengths_k is not None:
+            lengths = torch.tensor(lengths_k, device=k.device)
+            key_padding_mask = torch.arange(k.shape[1], device=k.device)[None, :] >= lengths[:, None]
+        out, _ = self._forward_dense(q, k, v, key_padding_mask, False, None, True, bool(is_causal), True)
+        if lengths_q is None:
+            return out, None
+        parts = [out[i, :n] for i, n in enumerate(lengths_q)]
+        return torch.nested.as_nested_tensor(parts, layout=query.layout), None
 
     def extra_repr(self) -> str:
-        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}"
+        extra = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}"
+        if self.bias_k is not None:
+            extra += ", add_bias_kv=True"
+        if self.add_zero_attn:
+            extra += ", add_zero_attn=True"
+        return extra

@@ -179,15 +179,33 @@ class LaraCore(AttentionCore):
             self.landmarks = PooledLandmarks2d(head_dim, num_landmarks, mixed=proposal == "pool-mixed",
                                                device=device, dtype=dtype)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool,
+                extra_keys: int = 0) -> Tensor:
+        """As :meth:`AttentionCore.forward`; the landmark networks see the input's keys only
+        (not the last ``extra_keys``, which ``add_bias_kv`` / ``add_zero_attn`` appended)."""
         opts = {**self.options, "training": self.training}
         if self.landmarks is not None and not causal:  # causal: let the op refuse it
+            m = k.shape[2] - extra_keys
+            k_in = k[:, :, :m]
+            pad_in = None if key_padding_mask is None else key_padding_mask[:, :m]
             if isinstance(self.landmarks, PooledLandmarks2d):
-                q_land, k_land = self.landmarks(q, k, key_padding_mask, self.grid_size)
+                q_land, k_land = self.landmarks(q, k_in, pad_in, self.grid_size)
             else:
-                q_land, k_land = self.landmarks(q, k, key_padding_mask)
+                q_land, k_land = self.landmarks(q, k_in, pad_in)
             opts.update(q_landmarks=q_land, k_landmarks=k_land)
         return self.method.op(q, k, v, key_padding_mask=key_padding_mask, causal=causal, **opts)
+
+    def reset_parameters(self) -> None:
+        """The landmark networks' initialisation: ``trunc_normal(std=0.02)`` weights, zero biases,
+        LayerNorm (1, 0)."""
+        if self.landmarks is None:
+            return
+        for mod in self.landmarks.modules():
+            if isinstance(mod, nn.Linear):
+                nn.init.trunc_normal_(mod.weight, std=0.02)
+                nn.init.zeros_(mod.bias)
+            elif isinstance(mod, nn.LayerNorm):
+                mod.reset_parameters()
 
     def extra_repr(self) -> str:
         extra = f", proposal={self.proposal!r}"

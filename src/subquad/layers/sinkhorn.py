@@ -170,7 +170,10 @@ class SinkhornCore(AttentionCore):
         elif sort_net == "mlp":
             self.sort_net = SortNet(num_heads, head_dim, max_blocks, sort_hidden, device=device, dtype=dtype)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool,
+                extra_keys: int = 0) -> Tensor:
+        # MultiheadAttention hands add_bias_kv / add_zero_attn extras to this self-attention-only
+        # core as leading tokens (with placeholder queries), never as extra_keys
         if q.shape[2] != k.shape[2]:
             raise ValueError(
                 f"sinkhorn: supports self-attention only (query and key lengths equal), "
