@@ -1,4 +1,4 @@
-"""User mistakes get a clear ValueError/TypeError that names the argument.
+"""User mistakes get a clear ValueError/TypeError that names the argument and the method.
 
 Input checks run in the registry's wrapper, so they are swept over every attention method;
 option ranges are checked per built-in method."""
@@ -13,10 +13,15 @@ from conftest import ATTENTION_METHODS, CAUSAL_METHODS, method_options, qkv
 
 
 def call(name, q, k, v, **kwargs):
-    """``name``'s op with the generic test options plus ``kwargs``."""
+    """``name``'s op with the generic test options plus ``kwargs``. Any ValueError/TypeError it
+    raises must name the method (the test then matches the rest of the message)."""
     opts = method_options(name, q.shape[-1], q.dtype)
     opts.update(kwargs)
-    return subquad.attention(q, k, v, method=name, **opts)
+    try:
+        return subquad.attention(q, k, v, method=name, **opts)
+    except (ValueError, TypeError, NotImplementedError) as err:
+        assert name in str(err), f"the error does not name the method {name!r}: {err}"
+        raise
 
 
 @pytest.fixture(params=ATTENTION_METHODS)
@@ -114,11 +119,31 @@ def test_mask_not_a_tensor(name):
 # --------------------------------------------------------------------------- scale and causal
 
 
-@pytest.mark.parametrize("scale", [0.0, -1.0, "0.5", True])
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("-inf"), float("nan"), "0.5", True, [0.5]])
 def test_bad_scale(name, scale):
+    """A logit scale must be a positive finite real: inf or nan would turn finite inputs into NaN."""
     q, k, v = qkv(1, 2, 6, 8)
-    with pytest.raises(ValueError, match="scale must be a positive number"):
+    with pytest.raises(ValueError, match=r"scale must be a positive finite number, got"):
         call(name, q, k, v, scale=scale)
+
+
+@pytest.mark.parametrize("which", ["qk", "v"])
+def test_zero_head_dim(name, which):
+    """Head dim 0 (of q and k, or of v) is a ValueError naming the dims, not a ZeroDivisionError."""
+    q, k, v = qkv(2, 2, 6, 8)
+    if which == "qk":
+        q, k = q[..., :0], k[..., :0]
+    else:
+        v = v[..., :0]
+    with pytest.raises(ValueError, match=r"head dims must be at least 1, got D=\d+ \(q, k\) and Dv=\d+"):
+        call(name, q, k, v)
+
+
+@pytest.mark.parametrize("causal", [1, "yes", None, torch.tensor(True)], ids=["int", "str", "none", "tensor"])
+def test_causal_must_be_bool(name, causal):
+    q, k, v = qkv(1, 2, 6, 8)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        call(name, q, k, v, causal=causal)
 
 
 @pytest.mark.parametrize("method", ["linear", "efficient"])
@@ -172,6 +197,20 @@ BAD_OPTIONS = [
     _bad("nystrom", {"pinv_iterations": -1}, ValueError, r"nystrom: pinv_iterations must be >= 0, got -1"),
     _bad("nystrom", {"pinv_init": "x"}, ValueError,
          r"nystrom: pinv_init must be one of \['per_matrix', 'global'\], got 'x'"),
+    # non-finite numbers have no meaning as options: refused, never turned into NaN outputs
+    _bad("softmax", {"dropout_p": float("nan")}, ValueError, r"softmax: dropout_p must be a finite number, got nan"),
+    _bad("performer", {"eps": float("inf")}, ValueError, r"performer: eps must be a finite number, got inf"),
+    _bad("lara", {"alpha_coeff": float("inf")}, ValueError, r"lara: alpha_coeff must be a finite number, got inf"),
+    _bad("lara", {"alpha_coeff": float("nan")}, ValueError, r"lara: alpha_coeff must be a finite number, got nan"),
+    _bad("sinkhorn", {"tau": float("inf")}, ValueError, r"sinkhorn: tau must be a finite number, got inf"),
+    _bad("sinkhorn", {"tau": float("nan")}, ValueError, r"sinkhorn: tau must be a finite number, got nan"),
+    _bad("sinkhorn", {"tau": 0.0}, ValueError, r"sinkhorn: tau must be > 0.0, got 0.0"),
+    _bad("sinkhorn", {"block_size": 0}, ValueError, r"sinkhorn: block_size must be >= 1, got 0"),
+    _bad("sinkhorn", {"sinkhorn_iters": 0}, ValueError, r"sinkhorn: sinkhorn_iters must be >= 1, got 0"),
+    _bad("ra", {"num_samples": 0}, ValueError, r"ra: num_samples must be >= 1, got 0"),
+    _bad("ra", {"estimator": "mean"}, ValueError, r"ra: estimator must be one of \['sample', 'mixture_mean'\]"),
+    _bad("lara", {"num_landmarks": -1}, ValueError, r"lara: num_landmarks must be >= 1, got -1"),
+    _bad("lara", {"mis": "x"}, ValueError, r"lara: mis must be one of \['opt', 'bh'\], got 'x'"),
 ]
 
 

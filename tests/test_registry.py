@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import pytest
@@ -206,3 +207,59 @@ def test_attention_refuses_a_mixer(scratch_registry):
         registry.register_mixer(
             "_scratch_mixer", module=torch.nn.Identity, options=_NoOptions, summary="", complexity="linear"
         )
+
+
+@pytest.mark.parametrize("name", ATTENTION_METHODS)
+def test_op_signature_is_the_public_one(name):
+    """``inspect.signature`` of a registered op shows what a caller passes: q, k, v, then
+    keyword-only key_padding_mask, causal, scale and the method's options with their defaults
+    (not the wrapper's ``**opts`` nor the implementation's positional internals)."""
+    info = subquad.get_method(name)
+    sig = inspect.signature(info.op)
+    params = list(sig.parameters.values())
+    assert [p.name for p in params[:3]] == ["q", "k", "v"]
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params[:3])
+    rest = {p.name: p.default for p in params[3:]}
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[3:])
+    assert rest == {"key_padding_mask": None, "causal": False, "scale": None, **info.option_defaults()}
+    assert info.op.__name__ == info.op.__code__.co_name
+    assert info.op.__doc__ and "Shapes" in info.op.__doc__
+    # the signature binds what the op accepts
+    sig.bind(1, 2, 3, key_padding_mask=None, causal=False, **info.option_defaults())
+
+
+def test_each_method_has_its_own_code_object():
+    """torch.compile caches per code object: one wrapper code shared by every method would
+    recompile on every change of method, up to dynamo's recompile limit."""
+    codes = [subquad.get_method(name).op.__code__ for name in ATTENTION_METHODS]
+    assert len({id(c) for c in codes}) == len(codes)
+
+
+def test_registered_signature_of_a_new_method(scratch_registry):
+    @dataclass
+    class _Opts:
+        width: int = 3
+
+    def impl(q, k, v, key_padding_mask, causal, scale, *, width):
+        """Shapes: identity on v."""
+        return v
+
+    op = subquad.register_method(
+        "_scratch_sig", options=_Opts, summary="test", causal=False, cross_attention=True, complexity="linear"
+    )(impl)
+    assert str(inspect.signature(op)) == (
+        "(q: 'Tensor', k: 'Tensor', v: 'Tensor', *, key_padding_mask: 'Tensor | None' = None, "
+        "causal: 'bool' = False, scale: 'float | None' = None, width: 'int' = 3) -> 'Tensor'"
+    )
+
+
+def test_option_named_like_an_argument_is_refused(scratch_registry):
+    @dataclass
+    class _Clash:
+        scale: float = 1.0
+
+    with pytest.raises(ValueError, match="option 'scale' clashes"):
+        subquad.register_method(
+            "_scratch_clash", options=_Clash, summary="", causal=False, cross_attention=True, complexity="linear"
+        )(lambda q, k, v, key_padding_mask, causal, scale: v)
+    assert "_scratch_clash" not in [m.name for m in subquad.list_methods()]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -45,6 +47,11 @@ class MethodInfo:
     op: Callable[..., Tensor] | None = dataclasses.field(repr=False, compare=False)
     kind: str = "attention"
     module: type | None = dataclasses.field(default=None, repr=False, compare=False)
+    # the options' field names, read once here: torch.compile cannot trace dataclasses.fields()
+    option_names: tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "option_names", tuple(f.name for f in dataclasses.fields(self.options)))
 
     def option_defaults(self) -> dict[str, Any]:
         """The method's options and their default values."""
@@ -57,13 +64,13 @@ class MethodInfo:
         return out
 
     def make_options(self, **options: Any):
-        """Build (and so validate) the options dataclass; unknown names are a ValueError."""
-        valid = [f.name for f in dataclasses.fields(self.options)]
-        unknown = sorted(set(options) - set(valid))
+        """Build (and so validate) the options dataclass; unknown names are a ValueError.
+        Traceable by ``torch.compile(fullgraph=True)``."""
+        unknown = sorted(name for name in options if name not in self.option_names)
         if unknown:
             raise ValueError(
                 f"method {self.name!r} got unknown option(s) {unknown}; "
-                f"valid options are {valid or 'none'}"
+                f"valid options are {list(self.option_names) or 'none'}"
             )
         return self.options(**options)
 
@@ -92,7 +99,8 @@ def register_method(
     def decorator(impl: Callable[..., Tensor]) -> Callable[..., Tensor]:
         from .ops._masks import check_qkv  # here: ops imports this module at registration
 
-        @functools.wraps(impl)
+        info: MethodInfo | None = None  # set below; the wrapper reads it from its closure
+
         def op(
             q: Tensor,
             k: Tensor,
@@ -103,8 +111,9 @@ def register_method(
             scale: float | None = None,
             **opts: Any,
         ) -> Tensor:
-            info = _REGISTRY[name]
             check_qkv(q, k, v, key_padding_mask, name=name, cross_attention=info.cross_attention)
+            if not isinstance(causal, bool):
+                raise TypeError(f"{name}: causal must be a bool, got {type(causal).__name__} {causal!r}")
             if causal:
                 if not info.causal:
                     supported = [m.name for m in _REGISTRY.values() if m.causal]
@@ -120,16 +129,20 @@ def register_method(
             if key_padding_mask is not None and not info.key_padding:
                 raise NotImplementedError(f"method {name!r} does not support key_padding_mask")
             if scale is not None:
-                if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-                    raise ValueError(f"{name}: scale must be a positive number, got {scale!r}")
-                scale = float(scale)
+                scale = _check_scale(name, scale)
             o = info.make_options(**opts)
-            fields = {f.name: getattr(o, f.name) for f in dataclasses.fields(o)}
-            return impl(q, k, v, key_padding_mask, bool(causal), scale, **fields)
+            fields = {n: getattr(o, n) for n in info.option_names}
+            return impl(q, k, v, key_padding_mask, causal, scale, **fields)
 
+        # One code object per method: torch.compile caches compiled graphs per code object, so
+        # sharing one wrapper between methods would make a model whose layers use several
+        # methods (or options) recompile it until dynamo's recompile limit.
+        op.__code__ = op.__code__.replace(co_name=impl.__name__, co_qualname=impl.__qualname__)
+        functools.update_wrapper(op, impl)
+        del op.__wrapped__  # the internal signature is not the public one
         if name in _REGISTRY:
             raise ValueError(f"method {name!r} is already registered")
-        _REGISTRY[name] = MethodInfo(
+        info = MethodInfo(
             name=name,
             summary=summary,
             causal=causal,
@@ -141,9 +154,40 @@ def register_method(
             options=options,
             op=op,
         )
+        op.__signature__ = _public_signature(name, options)
+        _REGISTRY[name] = info
         return op
 
     return decorator
+
+
+_COMMON = ("q", "k", "v", "key_padding_mask", "causal", "scale")
+
+
+def _public_signature(name: str, options: type) -> inspect.Signature:
+    """``(q, k, v, *, key_padding_mask=None, causal=False, scale=None, <options with defaults>)``."""
+    P = inspect.Parameter
+    params = [P(arg, P.POSITIONAL_OR_KEYWORD, annotation="Tensor") for arg in "qkv"]
+    params += [
+        P("key_padding_mask", P.KEYWORD_ONLY, default=None, annotation="Tensor | None"),
+        P("causal", P.KEYWORD_ONLY, default=False, annotation="bool"),
+        P("scale", P.KEYWORD_ONLY, default=None, annotation="float | None"),
+    ]
+    for f in dataclasses.fields(options):
+        if f.name in _COMMON:
+            raise ValueError(f"method {name!r}: option {f.name!r} clashes with an argument of every op")
+        default = f.default
+        if default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        params.append(P(f.name, P.KEYWORD_ONLY, default=default, annotation=f.type))
+    return inspect.Signature(params, return_annotation="Tensor")
+
+
+def _check_scale(name: str, scale: Any) -> float:
+    """``scale`` as a float; ValueError unless it is a positive, finite real number."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or not scale > 0:
+        raise ValueError(f"{name}: scale must be a positive finite number, got {scale!r}")
+    return float(scale)
 
 
 def register_mixer(

@@ -67,6 +67,10 @@ def check_qkv(
         raise ValueError(f"{name}: k and v must have the same length, got {M} and {v.shape[2]}")
     if N == 0 or M == 0:
         raise ValueError(f"{name}: sequence lengths must be at least 1, got N={N}, M={M}")
+    if D == 0 or v.shape[3] == 0:
+        raise ValueError(
+            f"{name}: head dims must be at least 1, got D={D} (q, k) and Dv={v.shape[3]} (v)"
+        )
     if not cross_attention and N != M:
         raise ValueError(
             f"{name}: supports self-attention only (query and key lengths equal), got N={N}, M={M}"

@@ -3,6 +3,7 @@ method, the option, the value given and what is allowed."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -14,8 +15,12 @@ def check_int(method: str, name: str, value: Any, *, minimum: int) -> None:
 
 
 def check_float(method: str, name: str, value: Any, *, minimum: float, inclusive: bool = True) -> None:
+    """A finite real number >= ``minimum`` (> when not ``inclusive``): inf and nan are refused,
+    as no option of the library has a meaning there."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{method}: {name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{method}: {name} must be a finite number, got {value}")
     ok = value >= minimum if inclusive else value > minimum
     if not ok:
         sign = ">=" if inclusive else ">"
