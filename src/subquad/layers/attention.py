@@ -22,7 +22,7 @@ from ..ops.performer import random_projection
 from ..registry import MethodInfo, get_method
 
 __all__ = ["MultiheadAttention", "AttentionCore", "register_core", "MHAShapeError", "MHADtypeError",
-           "MHAMaskShapeError"]
+           "MHAShapeRuntimeError"]
 
 
 class AttentionCore(nn.Module):
@@ -241,9 +241,10 @@ class MHADtypeError(TypeError, AssertionError):
     ``torch.nn.MultiheadAttention`` raises."""
 
 
-class MHAMaskShapeError(ValueError, RuntimeError):
-    """A bad ``attn_mask`` shape or a shape torch rejects inside an op: a ValueError, and also
-    the RuntimeError ``torch.nn.MultiheadAttention`` raises there."""
+class MHAShapeRuntimeError(ValueError, RuntimeError):
+    """A shape that torch rejects only inside an op (a batched ``attn_mask`` of the wrong size,
+    key or value of the wrong width, a batch mismatch): a ValueError, and also the RuntimeError
+    ``torch.nn.MultiheadAttention`` raises there."""
 
 
 def _check_mask_dtype(name: str, mask: Tensor) -> None:
@@ -321,8 +322,9 @@ class MultiheadAttention(nn.Module):
       keys from every query and head (a key padding mask); anything else is a ValueError naming
       the method. A float ``key_padding_mask`` may hold only 0 and -inf.
 
-    Bad shapes raise :class:`MHAShapeError` / :class:`MHAMaskShapeError`, ValueErrors that are
-    also the AssertionError / RuntimeError torch raises for the same mistake. Works as the
+    Bad shapes raise :class:`MHAShapeError` / :class:`MHAShapeRuntimeError`, ValueErrors that are
+    also the AssertionError / RuntimeError torch raises for the same mistake; a mask of another
+    dtype than bool or float raises :class:`MHADtypeError` (TypeError and AssertionError). Works as the
     ``self_attn`` / ``multihead_attn`` of ``torch.nn.TransformerEncoderLayer`` and
     ``TransformerDecoderLayer``, also when swapped into an already built ``TransformerEncoder``
     (whose eval fast path hands over nested tensors).
@@ -467,12 +469,12 @@ class MultiheadAttention(nn.Module):
             query, key = tq, tk
         B, L, S = query.shape[0], query.shape[1], key.shape[1]
         if key.shape[0] != B:
-            raise MHAMaskShapeError(f"query and key must have the same batch size, got {B} and {key.shape[0]}")
+            raise MHAShapeRuntimeError(f"query and key must have the same batch size, got {B} and {key.shape[0]}")
         if attn_mask is not None:
             _check_mask_dtype("attn_mask", attn_mask)
             want = (L, S) if attn_mask.dim() == 2 else (B * self.num_heads, L, S)
             if tuple(attn_mask.shape) != want:
-                raise MHAMaskShapeError(f"attn_mask of {attn_mask.dim()} dims must have shape {want}, "
+                raise MHAShapeRuntimeError(f"attn_mask of {attn_mask.dim()} dims must have shape {want}, "
                                         f"got {tuple(attn_mask.shape)}")
             attn_mask = attn_mask.view(1, 1, L, S) if attn_mask.dim() == 2 else attn_mask.view(B, -1, L, S)
         if key_padding_mask is not None:
@@ -519,13 +521,18 @@ class MultiheadAttention(nn.Module):
         if key_padding_mask is not None and isinstance(key_padding_mask, Tensor) and key_padding_mask.dim() != want - 1:
             raise MHAShapeError(f"for {want}-D query, key_padding_mask should be {want - 1}-D, "
                                 f"got {key_padding_mask.dim()}-D")
-        if attn_mask is not None and isinstance(attn_mask, Tensor) and attn_mask.dim() not in (2, 3):
-            raise MHAShapeError(f"attn_mask should be 2-D or 3-D, got {attn_mask.dim()}-D")
+        if attn_mask is not None and isinstance(attn_mask, Tensor):
+            if attn_mask.dim() not in (2, 3):
+                raise MHAShapeError(f"attn_mask should be 2-D or 3-D, got {attn_mask.dim()}-D")
+            expected = (self.num_heads, query.shape[0], key.shape[0])
+            if want == 2 and attn_mask.dim() == 3 and tuple(attn_mask.shape) != expected:
+                raise MHAShapeError(f"for unbatched (L, E) query, a 3-D attn_mask should have shape "
+                                    f"(num_heads, L, S) = {expected}, got {tuple(attn_mask.shape)}")
         if query.shape[-1] != self.embed_dim:
             raise MHAShapeError(f"query must have embedding dimension {self.embed_dim}, got {query.shape[-1]}")
         for name, t, dim in (("key", key, self.kdim), ("value", value, self.vdim)):
             if t.shape[-1] != dim:
-                raise MHAMaskShapeError(f"{name} must have last dimension {dim}, got {t.shape[-1]}")
+                raise MHAShapeRuntimeError(f"{name} must have last dimension {dim}, got {t.shape[-1]}")
         if key.shape[:-1] != value.shape[:-1]:
             raise MHAShapeError(f"key and value must share batch and length, got {tuple(key.shape)} and "
                                 f"{tuple(value.shape)}")
