@@ -18,6 +18,7 @@ __all__ = [
     "compute_precision",
     "masked_fill_value",
     "no_key_rows",
+    "sdpa_dtype",
 ]
 
 
@@ -94,6 +95,16 @@ def check_qkv(
             raise ValueError(
                 f"{name}: key_padding_mask is on {key_padding_mask.device}, q on {q.device}"
             )
+
+
+def sdpa_dtype(q: Tensor) -> torch.dtype:
+    """The dtype ``scaled_dot_product_attention`` computes in for queries ``q``: under autocast
+    every floating input but float64 is cast to the autocast dtype, float64 is left alone. A
+    float ``attn_mask`` must have this dtype (a float32 bias next to float64 queries fails, and
+    a large negative float32 bias is -inf in float16)."""
+    if torch.is_autocast_enabled(q.device.type) and q.dtype != torch.float64:
+        return torch.get_autocast_dtype(q.device.type)
+    return q.dtype
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

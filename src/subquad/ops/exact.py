@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..registry import register_method
-from ._masks import masked_fill_value, no_key_rows
+from ._masks import masked_fill_value, no_key_rows, sdpa_dtype
 from ._options import check_float
 
 
@@ -64,10 +64,7 @@ def softmax_attention(q, k, v, key_padding_mask, causal, scale, *, dropout_p):
             q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale
         )
     n, m = q.shape[2], k.shape[2]
-    dtype = q.dtype
-    if torch.is_autocast_enabled(q.device.type):
-        dtype = torch.get_autocast_dtype(q.device.type)
-    bias = attention_bias(key_padding_mask, n, m, causal, dtype, q.device)
+    bias = attention_bias(key_padding_mask, n, m, causal, sdpa_dtype(q), q.device)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
     return out.masked_fill(no_key_rows(key_padding_mask, n, causal), 0.0)
 

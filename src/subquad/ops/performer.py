@@ -110,7 +110,7 @@ def performer_features(
     """
     B, H, L, D = x.shape
     # w.x' as one matmul over all (B, H, L) rows
-    logits = torch.mm(x.reshape(-1, D), projection.t() * math.sqrt(scale)).view(B, H, L, -1)
+    logits = torch.mm(x.reshape(-1, D), projection.t() * math.sqrt(scale)).view(B, H, L, projection.shape[0])
     if kind == "query":
         return torch.softmax(logits, dim=-1)
     half_sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square().mul(0.5 * scale)
@@ -129,6 +129,9 @@ def performer_features(
             shift = masked.amax((-2, -1), keepdim=True)
     else:
         raise ValueError(f"kind must be 'raw', 'query' or 'key', got {kind!r}")
+    if torch.compiler.is_compiling():  # the compiler fuses these passes itself (and cannot trace mark_dirty)
+        out = torch.exp(logits - shift)
+        return out + eps if eps else out
     return _ShiftedExp.apply(logits, shift, eps)
 
 
@@ -237,8 +240,11 @@ def _bidirectional_streamed(q, k, v, w, scale, key_padding_mask, eps):
     wt = (w.t() * (math.sqrt(scale) * _LOG2E)).contiguous()  # (D, m), shared by every block
     pad = None if key_padding_mask is None else key_padding_mask[:, None, :, None].expand(B, H, M, 1)
     tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, w))
+    # under torch.compile: the batched blocks without out= writes (dynamo traces no out= into a
+    # non-contiguous view); the compiler plans the memory itself
+    functional = tracked or torch.compiler.is_compiling()
     cpu = q.device.type == "cpu"
-    if cpu and not tracked:
+    if cpu and not functional:
         rows = max(64, _BLOCK_ELEMENTS // m)
         out = q.new_empty(B, H, N, Dv)
         # one feature block for every step: a fresh (rows, m) tensor per block costs page
@@ -249,9 +255,9 @@ def _bidirectional_streamed(q, k, v, w, scale, key_padding_mask, eps):
                 _favor_group(q[b, h], k[b, h], v[b, h], wt, scale, None if pad is None else pad[b, h], eps,
                              rows, out[b, h], buf)
     else:
-        rows = max(64, _BLOCK_ELEMENTS // (B * H * m)) if cpu else max(N, M)
+        rows = max(64, _BLOCK_ELEMENTS // max(1, B * H * m)) if cpu else max(N, M)
         flat = [t.reshape(B * H, *t.shape[2:]) for t in (q, k, v)]
-        out = None if tracked else q.new_empty(B * H, N, Dv)
+        out = None if functional else q.new_empty(B * H, N, Dv)
         out = _favor_group(
             *flat, wt, scale, None if pad is None else pad.reshape(B * H, M, 1), eps, rows, out, None
         ).view(B, H, N, Dv)

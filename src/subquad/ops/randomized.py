@@ -121,7 +121,7 @@ def _sample_key_indices(q, k, key_padding_mask, scale, num_samples, generator) -
         if generator is not None and probs.device != generator.device:
             probs = probs.to(generator.device)
         idx = torch.multinomial(probs, num_samples, replacement=True, generator=generator)
-        out.append(idx.to(q.device).view(B, H, -1, num_samples))
+        out.append(idx.to(q.device).view(B, H, min(rows, N - s), num_samples))
     return torch.cat(out, dim=2)
 
 

@@ -370,11 +370,18 @@ def sinkhorn_attention(
             tiny = torch.finfo(dtype).tiny
             slot_bias = (torch.log(mass.clamp_min(tiny)) - torch.log(total.clamp_min(tiny))).flatten(-2)
         slot_ok = slot_ok.flatten(-2)  # (B|1, H|1, rows, t * b)
+        if support is None and t <= nb:
+            # no padding, not causal and every slot exists: known from the shapes alone, so no
+            # data-dependent branch (torch.compile traces this op with fullgraph=True)
+            slot_ok = None
 
         if sortcut_blocks:  # the first n sorted blocks, (B, H, n, b, d)
             keys, values = _sorted_blocks(perms, kc, b), _sorted_blocks(perms, vc, b)
             out = _sortcut(qc, keys, values, slot_ok, slot_bias, scale)
-        elif q.device.type == "cpu":
+        elif torch.compiler.is_compiling():  # no out= writes, which dynamo cannot trace
+            keys, values = _joint_blocks_batched(perms, kc, b), _joint_blocks_batched(perms, vc, b)
+            out = _blocked(qc, keys, values, slot_ok, slot_bias, keep, causal, b, scale)
+        elif q.device.type == "cpu" and B * H > 0:
             out = _blocked_per_head(qc, kc, vc, perms, slot_ok, slot_bias, keep, causal, b, scale)
         else:  # [sorted slots ; own block] per block, (B, H, NB, (t + 1) * b, d)
             keys, values = _JointBlocks.apply(perms, kc, b), _JointBlocks.apply(perms, vc, b)
@@ -416,6 +423,16 @@ def _sorted_blocks(perms: Tensor, x: Tensor, b: int) -> Tensor:
     d = x.shape[-1]
     y = (perms @ x.reshape(B, H, 1, nb, b * d)).unflatten(-1, (b, d))  # (B, H, t, rows, b, d)
     return y.transpose(2, 3).reshape(B, H, rows, t * b, d)
+
+
+def _joint_blocks_batched(perms: Tensor, x: Tensor, b: int) -> Tensor:
+    """What :class:`_JointBlocks` computes, with plain autograd ops (for ``torch.compile``):
+    ``(B, H, NB, (t + 1) * b, d)`` from ``perms`` ``(B, H, t, NB, NB)`` and x ``(B, H, L, d)``."""
+    B, H, t, nb, _ = perms.shape
+    d = x.shape[-1]
+    local = x.reshape(B, H, nb, b * d)
+    joint = torch.cat([*(perms[:, :, m] @ local for m in range(t)), local], dim=-1)
+    return joint.view(B, H, nb, (t + 1) * b, d)
 
 
 class _JointBlocks(torch.autograd.Function):
@@ -462,8 +479,9 @@ class _JointBlocks(torch.autograd.Function):
 def _visibility(slot_ok, slot_bias, keep, causal, b, device):
     """Key visibility and logit bias over ``[sorted slots ; own block]``: ``ok`` bool
     ``(B|1, H|1, NB, b|1, (t + 1) * b)`` and ``key_bias`` ``(B, H, NB, (t + 1) * b)`` (0 for the
-    local keys) or None; ``ok`` is None when every key is visible."""
-    if keep is None and not causal and bool(slot_ok.all()):
+    local keys) or None; ``ok`` is None when every key is visible (``slot_ok`` None: every
+    sorted slot is visible, which the op passes only without padding and causality)."""
+    if slot_ok is None:
         return None, None
     nb = slot_ok.shape[2]
     local = torch.ones(1, 1, 1, 1, b, dtype=torch.bool, device=device)
@@ -487,7 +505,7 @@ def _blocked(qc, keys, values, slot_ok, slot_bias, keep, causal, b, scale):
     qb = qc.view(B, H, L // b, b, D)
     ok, key_bias = _visibility(slot_ok, slot_bias, keep, causal, b, qc.device)
     qb, keys = _with_bias_column(qb, keys, key_bias, scale)
-    return _attend(qb, keys, values, ok, scale).reshape(B, H, L, -1)
+    return _attend(qb, keys, values, ok, scale).reshape(B, H, L, values.shape[-1])
 
 
 def _blocked_per_head(qc, kc, vc, perms, slot_ok, slot_bias, keep, causal, b, scale):
@@ -553,12 +571,10 @@ def _sortcut(qc, sorted_k, sorted_v, slot_ok, slot_bias, scale):
     """Every query against the first n sorted blocks (``n * b`` keys), no local block."""
     keys = sorted_k.flatten(2, 3)  # (B, H, n * b, D)
     values = sorted_v.flatten(2, 3)
-    ok = slot_ok.flatten(-2)[:, :, None, :]  # (B|1, H|1, 1, n * b)
+    ok = None if slot_ok is None else slot_ok.flatten(-2)[:, :, None, :]  # (B|1, H|1, 1, n * b)
     key_bias = None
     if slot_bias is not None:
         key_bias = torch.where(slot_ok, slot_bias, 0.0).flatten(-2)
-    elif bool(ok.all()):
-        ok = None
     qc, keys = _with_bias_column(qc, keys, key_bias, scale)
     return _attend(qc, keys, values, ok, scale)
 
