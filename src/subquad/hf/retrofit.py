@@ -1,0 +1,326 @@
+"""Retrofit a pretrained Hugging Face model with subquad attention.
+
+:func:`retrofit` registers one attention function and one mask function under the name
+``"subquad"`` with ``transformers.AttentionInterface`` / ``AttentionMaskInterface``, attaches a
+small :class:`RetrofitAttention` module (``.subquad_retrofit``) to every attention module of the
+model, and switches the model to ``attn_implementation="subquad"``. No pretrained weight is
+touched: the q/k/v/out projections stay as they are, only the attention between them changes.
+
+Masks. Our mask function hands the attention function the 2-D padding mask (or None), not a
+4-D matrix, so nothing of size N x N is built. It accepts only the two patterns subquad
+implements, plain bidirectional (+ padding) and plain causal (+ padding), and refuses sliding
+windows, packed sequences, block overlays and custom 4-D masks with ``NotImplementedError``.
+Causal attention (a decoder) needs a causal method; a non-causal one is refused at
+:func:`retrofit` time.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import subquad
+
+from .hedgehog import HedgehogFeatureMap, hedgehog_attention
+
+__all__ = ["RetrofitAttention", "retrofit", "unretrofit", "is_retrofitted", "attention_modules",
+           "retrofit_methods", "IMPLEMENTATION"]
+
+IMPLEMENTATION = "subquad"
+# options consumed by the retrofit itself, never passed to an op
+_RETROFIT_OPTIONS = ("adapter", "seed")
+_HEDGEHOG_DEFAULTS = {"feature_dim": None, "window": 0, "chunk_size": 64}
+# methods whose output at one query depends only on that query and the keys: with a KV cache
+# (fewer queries than keys) the queries can be left-padded to the key length, exactly
+_QUERY_LOCAL = ("softmax", "linear", "performer", "hedgehog")
+
+
+def retrofit_methods() -> list[str]:
+    """Names :func:`retrofit` accepts: every registered q/k/v method and ``"hedgehog"``."""
+    return [m.name for m in subquad.list_methods() if m.kind == "attention"] + ["hedgehog"]
+
+
+def _method_causal(method: str) -> bool:
+    return True if method == "hedgehog" else subquad.get_method(method).causal
+
+
+class RetrofitAttention(nn.Module):
+    """What a retrofit adds to one attention module: the method, its options and its parameters.
+
+    - ``hedgehog``: a :class:`HedgehogFeatureMap` (and, with ``window > 0``, a per-head log-weight
+      of the linear term).
+    - ``performer``: its ``(num_features, D)`` random projection as a buffer, drawn once from
+      ``seed`` + layer index, so the retrofitted model is deterministic and saved with it.
+    - any method with ``adapter=True``: per-head ``D x D`` maps of q and k (identity at start), the
+      learnable piece :func:`subquad.hf.transfer` trains for methods that own no parameters.
+
+    ``mode``: ``"approx"`` (the method), ``"exact"`` (softmax, for teachers) or ``"record"``
+    (softmax, and the layer's q/k/v/mask/output are appended to ``records``).
+    """
+
+    def __init__(self, method: str, heads: int, head_dim: int, options: dict[str, Any], *, layer: int = 0):
+        super().__init__()
+        options = dict(options)
+        self.method, self.heads, self.head_dim, self.layer = method, heads, head_dim, layer
+        self.adapter = bool(options.pop("adapter", False))
+        self.seed = int(options.pop("seed", 0))
+        self.mode = "approx"
+        self.records: list[dict[str, Any]] = []
+        if method == "hedgehog":
+            unknown = sorted(set(options) - set(_HEDGEHOG_DEFAULTS))
+            if unknown:
+                raise ValueError(f"method 'hedgehog' got unknown option(s) {unknown}; valid options are "
+                                 f"{[*_HEDGEHOG_DEFAULTS, *_RETROFIT_OPTIONS]}")
+            options = {**_HEDGEHOG_DEFAULTS, **options}
+            if int(options["window"]) < 0 or int(options["chunk_size"]) < 1:
+                raise ValueError(f"hedgehog: window must be >= 0 and chunk_size >= 1, got {options}")
+            self.feature_map = HedgehogFeatureMap(heads, head_dim, options["feature_dim"])
+            if options["window"] > 0:
+                self.linear_log_weight = nn.Parameter(torch.zeros(heads))
+        else:
+            info = subquad.get_method(method)
+            if "generator" in options or "features" in options:
+                raise ValueError(f"{method}: pass seed=INT to retrofit, not a generator or features; the "
+                                 "retrofit draws and stores what it needs")
+            info.make_options(**options)  # validates names and ranges
+            if method == "performer":
+                from ..ops.performer import random_projection
+
+                o = info.make_options(**options)
+                g = torch.Generator().manual_seed(self.seed + 1000 * layer)
+                self.register_buffer("features", random_projection(o.num_features, head_dim, orthogonal=o.orthogonal,
+                                                                   generator=g))
+        self.options = options
+        if self.adapter:
+            eye = torch.eye(head_dim).expand(heads, head_dim, head_dim).clone()
+            self.q_adapter = nn.Parameter(eye.clone())
+            self.k_adapter = nn.Parameter(eye)
+
+    def extra_repr(self) -> str:
+        return f"method={self.method!r}, options={self.options}, adapter={self.adapter}, layer={self.layer}"
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool,
+                scale: float | None) -> Tensor:
+        """q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)``, ``key_padding_mask`` bool
+        ``(B, M)`` with True = padding (subquad's convention) -> ``(B, H, N, Dv)``."""
+        if self.mode in ("exact", "record"):
+            out = subquad.attention(q, k, v, method="softmax", key_padding_mask=key_padding_mask, causal=causal,
+                                    scale=scale)
+            if self.mode == "record":
+                self.records.append({"q": q.detach(), "k": k.detach(), "v": v.detach(), "out": out.detach(),
+                                     "mask": None if key_padding_mask is None else key_padding_mask.detach(),
+                                     "causal": causal, "scale": scale})
+            return out
+        return self.approx(q, k, v, key_padding_mask, causal, scale)
+
+    def approx(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool,
+               scale: float | None) -> Tensor:
+        """The retrofitted attention (float32 math, output in q's dtype)."""
+        dtype = q.dtype
+        q, k, v = (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in (q, k, v))
+        if self.adapter:
+            q = torch.einsum("bhnd,hde->bhne", q, self.q_adapter.to(q.dtype))
+            k = torch.einsum("bhnd,hde->bhne", k, self.k_adapter.to(k.dtype))
+        if self.method == "hedgehog":
+            o = self.options
+            lw = self.linear_log_weight.exp() if o["window"] > 0 else None
+            out = hedgehog_attention(self.feature_map(q), self.feature_map(k), q, k, v, key_padding_mask, causal,
+                                     window=o["window"], scale=scale, chunk_size=o["chunk_size"], linear_weight=lw)
+            return out.to(dtype)
+        opts = dict(self.options)
+        if self.method == "performer":
+            opts["features"] = self.features
+        info = subquad.get_method(self.method)
+        if info.stochastic and self.method != "performer":
+            opts["generator"] = torch.Generator(device=q.device).manual_seed(self.seed + 1000 * self.layer)
+        if self.method in ("linear", "efficient"):
+            if scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-9 * scale:
+                raise NotImplementedError(f"{self.method} has no logit scale; this model scales logits by {scale}, "
+                                          f"not head_dim ** -0.5")
+            scale = None
+        out = subquad.attention(q, k, v, method=self.method, key_padding_mask=key_padding_mask, causal=causal,
+                                scale=scale, **opts)
+        return out.to(dtype)
+
+
+# ----------------------------------------------------------------------------- transformers glue
+
+
+def _subquad_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                  mask_function=None, attention_mask: Tensor | None = None, **kwargs) -> Tensor | None:
+    """``AttentionMaskInterface`` entry: the 2-D keep-mask ``(B, kv_length)`` (True = real token,
+    transformers' convention) or None, for plain causal or bidirectional patterns only."""
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function, prepare_padding_mask
+
+    if mask_function not in (causal_mask_function, bidirectional_mask_function):
+        name = getattr(mask_function, "__qualname__", repr(mask_function))
+        raise NotImplementedError(
+            f"subquad retrofit supports plain bidirectional and plain causal masks (with padding); this model asked "
+            f"for the mask pattern {name} (a sliding window, chunked or packed-sequence mask, or a custom overlay)")
+    padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    if padding is None:
+        return None
+    padding = padding[:, kv_offset: kv_offset + kv_length].to(torch.bool)
+    return None if bool(padding.all()) else padding
+
+
+def _subquad_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                       attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                       is_causal: bool | None = None, **kwargs) -> tuple[Tensor, None]:
+    """``AttentionInterface`` entry: ``(B, H, N, D)`` inputs -> ``((B, N, H, Dv), None)``."""
+    r = getattr(module, "subquad_retrofit", None)
+    if r is None:
+        raise RuntimeError(f"{type(module).__name__} runs attn_implementation='subquad' but was not retrofitted; "
+                           "call subquad.hf.retrofit(model, method) on the whole model")
+    for name in ("sliding_window", "softcap", "position_bias", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"subquad retrofit: this model passes {name}={kwargs[name]!r} to attention, "
+                                      "which subquad does not implement")
+    if attention_mask is not None and (not isinstance(attention_mask, Tensor) or attention_mask.ndim != 2):
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+        raise NotImplementedError(
+            f"subquad retrofit: got an attention mask of shape {shape}; only 2-D padding masks (B, seq) are "
+            "supported (pass attention_mask as the tokenizer's (B, seq) 0/1 tensor, not a custom 4-D mask)")
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    causal = bool(is_causal) if is_causal is not None else bool(getattr(module, "is_causal", False))
+    n, m = query.shape[2], key.shape[2]
+    causal = causal and m > 1
+    pad = None if attention_mask is None else ~attention_mask[:, -m:]
+    if causal and n != m:
+        # decoding with a KV cache: the queries are the last n positions; left-pad them to m
+        if r.method not in _QUERY_LOCAL:
+            raise NotImplementedError(f"subquad retrofit: cached decoding (query length {n} < key length {m}) is "
+                                      f"supported for {list(_QUERY_LOCAL)}, not {r.method!r}")
+        full = query.new_zeros(query.shape[0], query.shape[1], m, query.shape[3])
+        full[:, :, m - n:] = query
+        out = r(full, key, value, pad, True, scaling)[:, :, m - n:]
+    else:
+        out = r(query, key, value, pad, causal, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(IMPLEMENTATION, _subquad_attention)
+    AttentionMaskInterface.register(IMPLEMENTATION, _subquad_mask)
+
+
+def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, module)`` of every attention module that dispatches through
+    ``AttentionInterface`` (it has ``config``, ``layer_idx`` and ``is_causal``), in model order."""
+    from transformers import PreTrainedModel
+
+    out = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, (PreTrainedModel, RetrofitAttention)):
+            continue
+        if hasattr(mod, "config") and hasattr(mod, "is_causal") and hasattr(mod, "layer_idx"):
+            out.append((name, mod))
+    return out
+
+
+def _heads_and_dim(mod: nn.Module) -> tuple[int, int]:
+    cfg = mod.config
+    heads = getattr(mod, "num_attention_heads", None) or getattr(mod, "num_heads", None) or cfg.num_attention_heads
+    dim = getattr(mod, "head_dim", None) or getattr(mod, "attention_head_size", None)
+    if dim is None:
+        dim = cfg.hidden_size // heads
+    return int(heads), int(dim)
+
+
+def is_retrofitted(model: nn.Module) -> bool:
+    return getattr(model, "_subquad_retrofit", None) is not None
+
+
+def retrofit(model: nn.Module, method: str, **options: Any) -> nn.Module:
+    """Switch every attention layer of a ``transformers`` model to subquad ``method``, in place.
+
+    Args:
+        model: a ``transformers.PreTrainedModel`` whose attention goes through
+            ``AttentionInterface`` (BERT family, Llama, GPT-2, ...).
+        method: a registered q/k/v method (``subquad.list_methods()``) or ``"hedgehog"``
+            (learned feature-map linear attention, :mod:`subquad.hf.hedgehog`).
+        **options: the method's options, plus ``adapter=True`` (per-head learnable q/k maps,
+            identity at start) and ``seed`` (for the random pieces: Performer's projection,
+            the samples of ``ra``/``lara``).
+
+    Returns the same model. Pretrained weights are not modified; each attention module gains a
+    child ``subquad_retrofit``. Raises ``NotImplementedError`` for a decoder (causal attention)
+    with a method that is not causal, and ``ValueError`` for an unknown method or option.
+    """
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"retrofit needs a transformers PreTrainedModel, got {type(model).__name__}")
+    if not isinstance(method, str) or method not in retrofit_methods():
+        raise ValueError(f"unknown retrofit method {method!r}; known methods are {retrofit_methods()} "
+                         "(token mixers such as hamburger have no q, k, v and cannot replace attention)")
+    if is_retrofitted(model):
+        raise ValueError("this model is already retrofitted; call subquad.hf.unretrofit(model) first")
+    mods = attention_modules(model)
+    if not mods:
+        raise ValueError(f"found no attention module dispatching through AttentionInterface in "
+                         f"{type(model).__name__}")
+    if any(getattr(m, "is_cross_attention", False) or "crossattention" in n.lower() for n, m in mods):
+        if method != "hedgehog" and not subquad.get_method(method).cross_attention:
+            raise NotImplementedError(f"{type(model).__name__} has cross-attention; {method!r} does not support it")
+    causal_layers = [n for n, m in mods if m.is_causal]
+    if causal_layers and not _method_causal(method):
+        causal = [m for m in retrofit_methods() if _method_causal(m)]
+        raise NotImplementedError(
+            f"{type(model).__name__} is a decoder (causal attention in {causal_layers[0]} and others); method "
+            f"{method!r} is not causal by construction. Causal methods: {causal}")
+    _register()
+    added = []
+    try:
+        for i, (_name, mod) in enumerate(mods):
+            heads, dim = _heads_and_dim(mod)
+            layer = mod.layer_idx if isinstance(mod.layer_idx, int) else i
+            r = RetrofitAttention(method, heads, dim, copy.deepcopy(options), layer=layer)
+            p = next(mod.parameters(), None)
+            if p is not None:
+                r.to(device=p.device)
+            mod.subquad_retrofit = r
+            added.append(mod)
+    except Exception:
+        for mod in added:
+            del mod.subquad_retrofit
+        raise
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(IMPLEMENTATION)
+    model._subquad_retrofit = {"method": method, "options": dict(options), "previous": previous}
+    return model
+
+
+def unretrofit(model: nn.Module) -> nn.Module:
+    """Undo :func:`retrofit`: remove the added modules and restore the previous attention."""
+    info = getattr(model, "_subquad_retrofit", None)
+    if info is None:
+        raise ValueError("this model is not retrofitted")
+    for _, mod in attention_modules(model):
+        if hasattr(mod, "subquad_retrofit"):
+            del mod.subquad_retrofit
+    model.set_attn_implementation(info["previous"] or "sdpa")
+    model._subquad_retrofit = None
+    return model
+
+
+def retrofit_layers(model: nn.Module) -> list[tuple[str, RetrofitAttention]]:
+    """``(attention module name, its RetrofitAttention)`` in model order."""
+    return [(n, m.subquad_retrofit) for n, m in attention_modules(model) if hasattr(m, "subquad_retrofit")]
+
+
+def set_mode(model: nn.Module, mode: str) -> None:
+    """``"approx"``, ``"exact"`` or ``"record"`` for every retrofitted layer (see RetrofitAttention)."""
+    if mode not in ("approx", "exact", "record"):
+        raise ValueError(f"mode must be 'approx', 'exact' or 'record', got {mode!r}")
+    for _, r in retrofit_layers(model):
+        r.mode = mode
