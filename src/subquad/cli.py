@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_data_parser(sub)
         add_train_parser(sub)
         add_evaluate_parser(sub)
+    from .hf.cli import add_retrofit_parser
+
+    add_retrofit_parser(sub)
     return parser
 
 
