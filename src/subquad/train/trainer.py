@@ -478,225 +478,287 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def _train(cfg: TrainConfig, ctx: DistributedContext) -> dict[str, Any]:
-    t_start = time.perf_counter()
+    """The phases of a run: resume state, data, model, the loop of steps, then the test."""
     out_dir = Path(cfg.out_dir)
-    ckpt_path = out_dir / CHECKPOINT
     if cfg.batch_size % ctx.world_size:
         raise ValueError(f"batch_size ({cfg.batch_size}) must be divisible by the number of processes "
                          f"({ctx.world_size})")
-    local_batch = cfg.batch_size // ctx.world_size
-    resume_state = None
-    if not ckpt_path.is_file() and (out_dir / RESULTS).is_file():
+    if not (out_dir / CHECKPOINT).is_file() and (out_dir / RESULTS).is_file():
         return _finished_run(cfg, ctx, out_dir)
-    if ckpt_path.is_file():
-        if not cfg.resume:
-            raise ValueError(f"{str(ckpt_path)!r} exists: pass resume=True (--resume) to continue that run, "
-                             "or choose another output directory")
-        resume_state = ckpt.load(ckpt_path, map_location="cpu")
-        _check_resume_config(resume_state["config"], cfg, ctx.world_size, resume_state["world_size"])
-    main = ctx.is_main
-    say = print if main else (lambda *a, **k: None)
+    run = _Run(cfg, ctx, _read_checkpoint(cfg, ctx, out_dir / CHECKPOINT))
+    try:
+        while run.step < cfg.steps:
+            run.train_step()
+            if run.step % cfg.eval_every == 0 or run.step == cfg.steps:
+                run.validate()
+            out_of_time = run.out_of_time()
+            if run.step % cfg.checkpoint_every == 0 or run.step == cfg.steps or out_of_time:
+                run.save_checkpoint()
+            if out_of_time and run.step < cfg.steps:
+                run.say(f"stopped at step {run.step} of {cfg.steps} after {cfg.max_minutes} minutes; the "
+                        f"checkpoint is in {run.ckpt_path}: run again with resume (--resume) to continue", flush=True)
+                return {"stopped": True, "step": run.step, "steps": cfg.steps, "checkpoint": str(run.ckpt_path)}
+        return run.finish()
+    finally:
+        run.close()
 
-    # ---- data
-    splits = listops.load_splits(cfg.data_dir)
-    train_data = listops.ListOpsDataset(splits["train"])
-    val_data = listops.ListOpsDataset(splits["val"])
-    test_data = listops.ListOpsDataset(splits["test"])
-    majority_class, majority_acc = listops.majority_baseline(splits["train"].labels, splits["test"].labels)
-    _, majority_val = listops.majority_baseline(splits["train"].labels, splits["val"].labels)
-    too_long = int((splits["train"].lengths() > cfg.pad_to).sum())
-    val_idx = np.arange(len(val_data) if cfg.eval_samples is None else min(cfg.eval_samples, len(val_data)))
-    test_idx = np.arange(len(test_data))
 
-    # ---- model, optimizer, schedule
-    _seed_all(cfg.seed)
-    model, attn_dropout = _build_model(cfg, ctx.device)
-    n_params = sum(p.numel() for p in model.parameters())
-    net: torch.nn.Module = model
-    if ctx.distributed:
-        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        net = DistributedDataParallel(model, device_ids=device_ids)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                                  weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda e: lr_factor(e + 1, warmup=cfg.warmup_steps, total=cfg.steps, schedule=cfg.schedule))
-    if cfg.batching == "bucket":
-        sampler = BucketBatchSampler(splits["train"].lengths(), local_batch, world_size=ctx.world_size,
-                                     rank=ctx.rank, seed=cfg.seed, pool_batches=cfg.bucket_pool, cap=cfg.pad_to)
-    else:
-        sampler = ShardedBatchSampler(len(train_data), local_batch, world_size=ctx.world_size, rank=ctx.rank,
-                                      seed=cfg.seed)
-    multiple = pad_multiple(cfg)
-    _seed_all(cfg.seed + 1 + ctx.rank)  # training randomness (dropout, stochastic methods), per process
+def _read_checkpoint(cfg: TrainConfig, ctx: DistributedContext, path: Path) -> dict[str, Any] | None:
+    """The resume state at ``path`` (None when there is none), checked against ``cfg``."""
+    if not path.is_file():
+        return None
+    if not cfg.resume:
+        raise ValueError(f"{str(path)!r} exists: pass resume=True (--resume) to continue that run, "
+                         "or choose another output directory")
+    state = ckpt.load(path, map_location="cpu")
+    _check_resume_config(state["config"], cfg, ctx.world_size, state["world_size"])
+    return state
 
-    step = 0
-    best = {"accuracy": -1.0, "step": 0}
-    best_state = None
-    window = {"loss": 0.0, "correct": 0.0, "samples": 0.0, "tokens": 0.0, "seconds": 0.0}
-    elapsed_before = 0.0
-    if resume_state is not None:
-        model.load_state_dict(resume_state["model"])
-        optimizer.load_state_dict(resume_state["optimizer"])
-        scheduler.load_state_dict(resume_state["scheduler"])
-        sampler.load_state_dict(resume_state["sampler"])
-        ckpt.set_rng_state(resume_state["rng"][ctx.rank])
-        step = int(resume_state["step"])
-        best = dict(resume_state["best"])
-        best_state = resume_state.get("best_model")
-        window = dict(resume_state["window"])
-        elapsed_before = float(resume_state["elapsed_s"])
-        say(f"resuming {out_dir} from step {step}", flush=True)
 
-    metrics = None
-    if main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        metrics = _MetricsWriter(out_dir, resume_step=step if resume_state is not None else None,
-                                 tensorboard=cfg.tensorboard)
-    train_dist = listops.label_distribution(splits["train"].labels)
-    say(f"listops: {len(train_data)} train / {len(val_data)} val / {len(test_data)} test; majority class "
-        f"{majority_class} = {100 * majority_acc:.2f}% of test; train labels "
-        + " ".join(f"{c}:{100 * p:.1f}%" for c, p in enumerate(train_dist)), flush=True)
-    if too_long:
-        say(f"note: {too_long} training sequences are longer than pad_to={cfg.pad_to} and are truncated")
-    opts = ", ".join(f"{k}={v!r}" for k, v in cfg.method_options.items())
-    say(f"model: method={cfg.method}" + (f" ({opts})" if opts else "")
-        + f", {cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, ffn {cfg.ffn_dim}, "
-        f"{n_params} parameters; attention dropout {attn_dropout}; "
-        f"{ctx.world_size} process(es) on {ctx.device}, batch {cfg.batch_size} ({local_batch} per process)",
-        flush=True)
+@dataclass
+class _Splits:
+    """The three ListOps splits of a run and the numbers reported about them."""
 
-    def log_row(split: str, s: int, loss: float, acc: float, samples: int, **extra: Any) -> None:
-        if metrics is None:
+    train: listops.ListOpsDataset
+    val: listops.ListOpsDataset
+    test: listops.ListOpsDataset
+    val_idx: np.ndarray
+    majority_class: int
+    majority_test: float
+    majority_val: float
+
+    @classmethod
+    def load(cls, cfg: TrainConfig) -> "_Splits":
+        splits = listops.load_splits(cfg.data_dir)
+        val = listops.ListOpsDataset(splits["val"])
+        majority_class, majority_test = listops.majority_baseline(splits["train"].labels, splits["test"].labels)
+        _, majority_val = listops.majority_baseline(splits["train"].labels, splits["val"].labels)
+        n_val = len(val) if cfg.eval_samples is None else min(cfg.eval_samples, len(val))
+        return cls(listops.ListOpsDataset(splits["train"]), val, listops.ListOpsDataset(splits["test"]),
+                   np.arange(n_val), majority_class, majority_test, majority_val)
+
+    def label_distribution(self, split: str) -> list[float]:
+        return listops.label_distribution(getattr(self, split).data.labels)
+
+
+class _Run:
+    """One process of a training run: data, model, optimiser and sampler, and the loop state that a
+    checkpoint saves (step, best validation, metric window, elapsed time, RNG)."""
+
+    def __init__(self, cfg: TrainConfig, ctx: DistributedContext, resume_state: dict[str, Any] | None):
+        self.t_start = time.perf_counter()
+        self.cfg, self.ctx = cfg, ctx
+        self.out_dir = Path(cfg.out_dir)
+        self.ckpt_path = self.out_dir / CHECKPOINT
+        self.local_batch = cfg.batch_size // ctx.world_size
+        self.say = print if ctx.is_main else (lambda *a, **k: None)
+        self.data = _Splits.load(cfg)
+        self._build()
+        self.step = 0
+        self.best: dict[str, Any] = {"accuracy": -1.0, "step": 0}
+        self.best_state: dict[str, torch.Tensor] | None = None
+        self.window = dict.fromkeys(("loss", "correct", "samples", "tokens", "seconds"), 0.0)
+        self.elapsed_before = 0.0
+        if resume_state is not None:
+            self._restore(resume_state)
+        self.metrics = None
+        if ctx.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self.metrics = _MetricsWriter(self.out_dir, resume_step=self.step if resume_state is not None else None,
+                                          tensorboard=cfg.tensorboard)
+        self._announce()
+        self.progress = _Progress(ctx.is_main and cfg.progress is not False, cfg.progress, cfg.steps, self.step)
+        self.net.train()
+
+    def _build(self) -> None:
+        """Model (wrapped for DDP), optimiser, schedule and sampler; then the training RNG."""
+        cfg, ctx = self.cfg, self.ctx
+        _seed_all(cfg.seed)
+        self.model, self.attn_dropout = _build_model(cfg, ctx.device)
+        self.net: torch.nn.Module = self.model
+        if ctx.distributed:
+            device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+            self.net = DistributedDataParallel(self.model, device_ids=device_ids)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                                           weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda e: lr_factor(e + 1, warmup=cfg.warmup_steps, total=cfg.steps, schedule=cfg.schedule))
+        lengths = self.data.train.data.lengths()
+        if cfg.batching == "bucket":
+            self.sampler = BucketBatchSampler(lengths, self.local_batch, world_size=ctx.world_size, rank=ctx.rank,
+                                              seed=cfg.seed, pool_batches=cfg.bucket_pool, cap=cfg.pad_to)
+        else:
+            self.sampler = ShardedBatchSampler(len(lengths), self.local_batch, world_size=ctx.world_size,
+                                               rank=ctx.rank, seed=cfg.seed)
+        self.multiple = pad_multiple(cfg)
+        _seed_all(cfg.seed + 1 + ctx.rank)  # training randomness (dropout, stochastic methods), per process
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        ckpt.set_rng_state(state["rng"][self.ctx.rank])
+        self.step = int(state["step"])
+        self.best = dict(state["best"])
+        self.best_state = state.get("best_model")
+        self.window = dict(state["window"])
+        self.elapsed_before = float(state["elapsed_s"])
+        self.say(f"resuming {self.out_dir} from step {self.step}", flush=True)
+
+    def _announce(self) -> None:
+        cfg, ctx, data = self.cfg, self.ctx, self.data
+        self.say(f"listops: {len(data.train)} train / {len(data.val)} val / {len(data.test)} test; majority class "
+                 f"{data.majority_class} = {100 * data.majority_test:.2f}% of test; train labels "
+                 + " ".join(f"{c}:{100 * p:.1f}%" for c, p in enumerate(data.label_distribution("train"))),
+                 flush=True)
+        too_long = int((data.train.data.lengths() > cfg.pad_to).sum())
+        if too_long:
+            self.say(f"note: {too_long} training sequences are longer than pad_to={cfg.pad_to} and are truncated")
+        opts = ", ".join(f"{k}={v!r}" for k, v in cfg.method_options.items())
+        n_params = sum(p.numel() for p in self.model.parameters())
+        self.say(f"model: method={cfg.method}" + (f" ({opts})" if opts else "")
+                 + f", {cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, ffn {cfg.ffn_dim}, "
+                 f"{n_params} parameters; attention dropout {self.attn_dropout}; "
+                 f"{ctx.world_size} process(es) on {ctx.device}, batch {cfg.batch_size} "
+                 f"({self.local_batch} per process)", flush=True)
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self.t_start
+
+    def log_row(self, split: str, loss: float, acc: float, samples: int, **extra: Any) -> None:
+        if self.metrics is None:
             return
-        row = {"step": s, "split": split, "loss": f"{loss:.6f}", "accuracy": f"{acc:.6f}", "samples": samples,
-               "elapsed_s": f"{elapsed_before + time.perf_counter() - t_start:.1f}"}
+        row = {"step": self.step, "split": split, "loss": f"{loss:.6f}", "accuracy": f"{acc:.6f}",
+               "samples": samples, "elapsed_s": f"{self.elapsed():.1f}"}
         row.update({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in extra.items()})
-        metrics.write(row)
+        self.metrics.write(row)
 
-    def save_checkpoint(s: int) -> None:
-        rng_states = ctx.all_gather_object(ckpt.rng_state())
-        if main:
-            ckpt.save_atomic({
-                "format": 1, "step": s, "config": cfg.to_dict(), "world_size": ctx.world_size,
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(), "rng": rng_states,
-                "best": best, "best_model": best_state, "window": window,
-                "elapsed_s": elapsed_before + time.perf_counter() - t_start,
-            }, ckpt_path)
-        ctx.barrier()
-
-    progress = _Progress(main and cfg.progress is not False, cfg.progress, cfg.steps, step)
-    net.train()
-    while step < cfg.steps:
+    def train_step(self) -> None:
+        """One optimizer update, its metrics, and a ``train`` row every ``log_every`` steps."""
+        cfg, ctx = self.cfg, self.ctx
         t0 = time.perf_counter()
-        tokens, pad, labels = train_data.batch(next(sampler), cfg.pad_to, multiple)
+        tokens, pad, labels = self.data.train.batch(next(self.sampler), cfg.pad_to, self.multiple)
         tokens, pad, labels = tokens.to(ctx.device), pad.to(ctx.device), labels.to(ctx.device)
         with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16"):
-            logits = net(tokens, pad)
+            logits = self.net(tokens, pad)
         loss = cross_entropy(logits, labels)
-        optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        lr = optimizer.param_groups[0]["lr"]
-        scheduler.step()
-        step += 1
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
+        self.step += 1
         if not math.isfinite(loss.item()):
-            raise FloatingPointError(f"the training loss is {loss.item()} at step {step}")
-        window["loss"] += loss.item() * len(labels)
-        window["correct"] += (logits.argmax(-1) == labels).sum().item()
-        window["samples"] += len(labels)
-        window["tokens"] += (~pad).sum().item()
-        window["seconds"] += time.perf_counter() - t0
-        rate = window["samples"] / max(window["seconds"], 1e-9)
-        info = {"loss": f"{window['loss'] / max(window['samples'], 1):.4f}", "lr": f"{lr:.2e}",
+            raise FloatingPointError(f"the training loss is {loss.item()} at step {self.step}")
+        w = self.window
+        w["loss"] += loss.item() * len(labels)
+        w["correct"] += (logits.argmax(-1) == labels).sum().item()
+        w["samples"] += len(labels)
+        w["tokens"] += (~pad).sum().item()
+        w["seconds"] += time.perf_counter() - t0
+        rate = w["samples"] / max(w["seconds"], 1e-9)
+        info = {"loss": f"{w['loss'] / max(w['samples'], 1):.4f}", "lr": f"{lr:.2e}",
                 "samples/s": f"{rate * ctx.world_size:.1f}"}
-        log_now = step % cfg.log_every == 0 or step == cfg.steps
-        progress.update(step, info, plain=log_now)
+        log_now = self.step % cfg.log_every == 0 or self.step == cfg.steps
+        self.progress.update(self.step, info, plain=log_now)
         if log_now:
             loss_sum, correct, samples, tokens_n, seconds = ctx.all_reduce_sum(
-                [window["loss"], window["correct"], window["samples"], window["tokens"], window["seconds"]])
+                [w["loss"], w["correct"], w["samples"], w["tokens"], w["seconds"]])
             seconds /= ctx.world_size
-            log_row("train", step, loss_sum / samples, correct / samples, int(samples), lr=lr,
-                    samples_per_s=samples / max(seconds, 1e-9), tokens_per_s=tokens_n / max(seconds, 1e-9))
-            window = {k: 0.0 for k in window}
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            v_loss, v_acc, v_n = _evaluate(model, val_data, val_idx, local_batch, cfg, ctx)
-            if v_acc > best["accuracy"]:
-                best = {"accuracy": v_acc, "step": step}
-                best_state = {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
-                if main:
-                    save_model(out_dir / BEST_MODEL, cfg, best_state, step, val_accuracy=v_acc)
-            log_row("val", step, v_loss, v_acc, v_n)
-            progress.write(f"step {step}: val loss {v_loss:.4f}, accuracy {100 * v_acc:.2f}% "
-                           f"(best {100 * best['accuracy']:.2f}% at step {best['step']})")
-        out_of_time = cfg.max_minutes is not None and time.perf_counter() - t_start > 60 * cfg.max_minutes
-        if cfg.max_minutes is not None and ctx.distributed:  # every process must stop at the same step
-            out_of_time = bool(ctx.all_reduce_sum([float(out_of_time)])[0])
-        if step % cfg.checkpoint_every == 0 or step == cfg.steps or out_of_time:
-            save_checkpoint(step)
-        if out_of_time and step < cfg.steps:
-            progress.close()
-            say(f"stopped at step {step} of {cfg.steps} after {cfg.max_minutes} minutes; the checkpoint is "
-                f"in {ckpt_path}: run again with resume (--resume) to continue", flush=True)
-            if metrics is not None:
-                metrics.close()
-            return {"stopped": True, "step": step, "steps": cfg.steps, "checkpoint": str(ckpt_path)}
-    progress.close()
-    train_seconds = elapsed_before + time.perf_counter() - t_start
+            self.log_row("train", loss_sum / samples, correct / samples, int(samples), lr=lr,
+                         samples_per_s=samples / max(seconds, 1e-9), tokens_per_s=tokens_n / max(seconds, 1e-9))
+            self.window = dict.fromkeys(w, 0.0)
 
-    # ---- test, in this process: the final model and the best-validation model
-    t_loss, t_acc, t_n = _evaluate(model, test_data, test_idx, local_batch, cfg, ctx)
-    log_row("test", step, t_loss, t_acc, t_n)
-    best_test = None
-    if best_state is not None and best["step"] != step:
-        final_state = copy.deepcopy(model.state_dict())
-        model.load_state_dict(best_state)
-        b_loss, b_acc, _ = _evaluate(model, test_data, test_idx, local_batch, cfg, ctx)
-        model.load_state_dict(final_state)
-        log_row("test_best_val", step, b_loss, b_acc, t_n)
-        best_test = b_acc
-    else:
-        best_test = t_acc
-    results = {
-        "task": "listops",
-        "method": cfg.method,
-        "method_options": cfg.method_options,
-        "preset": cfg.preset,
-        "steps": step,
-        "test_accuracy": t_acc,
-        "test_loss": t_loss,
-        "test_accuracy_best_val": best_test,
-        "best_val_accuracy": best["accuracy"],
-        "best_val_step": best["step"],
-        "val_samples": int(len(val_idx)),
-        "test_samples": t_n,
-        "majority_class": majority_class,
-        "majority_test_accuracy": majority_acc,
-        "majority_val_accuracy": majority_val,
-        "train_label_distribution": train_dist,
-        "test_label_distribution": listops.label_distribution(splits["test"].labels),
-        "parameters": n_params,
-        "attention_dropout_applied": attn_dropout,
-        "train_seconds": round(train_seconds, 1),
-        "wall_seconds": round(elapsed_before + time.perf_counter() - t_start, 1),
-        "world_size": ctx.world_size,
-        "device": str(ctx.device),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "config": cfg.to_dict(),
-        "command": shlex.join(sys.argv),
-    }
-    if main:
-        save_model(out_dir / FINAL_MODEL, cfg, model.state_dict(), step)
-        _atomic_json(out_dir / RESULTS, results)
-        ckpt_path.unlink()  # the run is complete: model.pt, best.pt and results.json are what remains
-        metrics.close()
-        say(f"test accuracy {100 * t_acc:.2f}% (final model), {100 * best_test:.2f}% (best validation model, "
-            f"step {best['step']}); majority baseline {100 * majority_acc:.2f}%; {step} steps in "
-            f"{train_seconds:.0f} s (+ {results['wall_seconds'] - train_seconds:.0f} s of testing)",
-            flush=True)
-    ctx.barrier()
-    return results
+    def validate(self) -> None:
+        """Validation accuracy; a new best is kept in memory and written to ``best.pt``."""
+        v_loss, v_acc, v_n = _evaluate(self.model, self.data.val, self.data.val_idx, self.local_batch, self.cfg,
+                                       self.ctx)
+        if v_acc > self.best["accuracy"]:
+            self.best = {"accuracy": v_acc, "step": self.step}
+            self.best_state = {k: v.detach().clone().cpu() for k, v in self.model.state_dict().items()}
+            if self.ctx.is_main:
+                save_model(self.out_dir / BEST_MODEL, self.cfg, self.best_state, self.step, val_accuracy=v_acc)
+        self.log_row("val", v_loss, v_acc, v_n)
+        self.progress.write(f"step {self.step}: val loss {v_loss:.4f}, accuracy {100 * v_acc:.2f}% "
+                            f"(best {100 * self.best['accuracy']:.2f}% at step {self.best['step']})")
+
+    def out_of_time(self) -> bool:
+        """``max_minutes`` has passed (agreed by every process, so that all stop at the same step)."""
+        if self.cfg.max_minutes is None:
+            return False
+        out = time.perf_counter() - self.t_start > 60 * self.cfg.max_minutes
+        if self.ctx.distributed:
+            out = bool(self.ctx.all_reduce_sum([float(out)])[0])
+        return out
+
+    def save_checkpoint(self) -> None:
+        rng_states = self.ctx.all_gather_object(ckpt.rng_state())
+        if self.ctx.is_main:
+            ckpt.save_atomic({
+                "format": 1, "step": self.step, "config": self.cfg.to_dict(), "world_size": self.ctx.world_size,
+                "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict(), "rng": rng_states,
+                "best": self.best, "best_model": self.best_state, "window": self.window,
+                "elapsed_s": self.elapsed(),
+            }, self.ckpt_path)
+        self.ctx.barrier()
+
+    def test(self) -> tuple[float, float, int, float]:
+        """Test loss, accuracy and count of the final model, and the accuracy of the best-validation
+        model (the same model when the best validation was the last one)."""
+        cfg, ctx, data = self.cfg, self.ctx, self.data
+        test_idx = np.arange(len(data.test))
+        t_loss, t_acc, t_n = _evaluate(self.model, data.test, test_idx, self.local_batch, cfg, ctx)
+        self.log_row("test", t_loss, t_acc, t_n)
+        if self.best_state is None or self.best["step"] == self.step:
+            return t_loss, t_acc, t_n, t_acc
+        final_state = copy.deepcopy(self.model.state_dict())
+        self.model.load_state_dict(self.best_state)
+        b_loss, b_acc, _ = _evaluate(self.model, data.test, test_idx, self.local_batch, cfg, ctx)
+        self.model.load_state_dict(final_state)
+        self.log_row("test_best_val", b_loss, b_acc, t_n)
+        return t_loss, t_acc, t_n, b_acc
+
+    def finish(self) -> dict[str, Any]:
+        """Test, then ``model.pt`` and ``results.json``; the resume checkpoint is removed."""
+        self.progress.close()
+        train_seconds = self.elapsed()
+        t_loss, t_acc, t_n, best_test = self.test()
+        results = self._results(t_loss, t_acc, t_n, best_test, train_seconds)
+        if self.ctx.is_main:
+            save_model(self.out_dir / FINAL_MODEL, self.cfg, self.model.state_dict(), self.step)
+            _atomic_json(self.out_dir / RESULTS, results)
+            self.ckpt_path.unlink()  # the run is complete: model.pt, best.pt and results.json remain
+            self.say(f"test accuracy {100 * t_acc:.2f}% (final model), {100 * best_test:.2f}% (best validation "
+                     f"model, step {self.best['step']}); majority baseline {100 * self.data.majority_test:.2f}%; "
+                     f"{self.step} steps in {train_seconds:.0f} s (+ {results['wall_seconds'] - train_seconds:.0f} "
+                     "s of testing)", flush=True)
+        self.ctx.barrier()
+        return results
+
+    def _results(self, t_loss: float, t_acc: float, t_n: int, best_test: float, train_seconds: float) -> dict:
+        cfg, data = self.cfg, self.data
+        return {
+            "task": "listops", "method": cfg.method, "method_options": cfg.method_options, "preset": cfg.preset,
+            "steps": self.step, "test_accuracy": t_acc, "test_loss": t_loss, "test_accuracy_best_val": best_test,
+            "best_val_accuracy": self.best["accuracy"], "best_val_step": self.best["step"],
+            "val_samples": int(len(data.val_idx)), "test_samples": t_n, "majority_class": data.majority_class,
+            "majority_test_accuracy": data.majority_test, "majority_val_accuracy": data.majority_val,
+            "train_label_distribution": data.label_distribution("train"),
+            "test_label_distribution": data.label_distribution("test"),
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "attention_dropout_applied": self.attn_dropout, "train_seconds": round(train_seconds, 1),
+            "wall_seconds": round(self.elapsed(), 1), "world_size": self.ctx.world_size,
+            "device": str(self.ctx.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "config": cfg.to_dict(), "command": shlex.join(sys.argv),
+        }
+
+    def close(self) -> None:
+        self.progress.close()
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
