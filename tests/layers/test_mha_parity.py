@@ -122,6 +122,8 @@ def key_padding(kind, S, layout, dtype=F64):
     mask[2, -1] = True
     if kind == "float":
         mask = torch.zeros(B, S, dtype=dtype).masked_fill(mask, float("-inf"))
+    elif kind == "float_bias":  # torch adds any float key_padding_mask to the logits
+        mask = (randn(B, S, seed=8, dtype=dtype) * 0.5).masked_fill(mask, float("-inf"))
     return mask[0] if layout == "unbatched" else mask
 
 
@@ -153,7 +155,7 @@ def assert_close(a, b, tol=1e-10):
 
 
 @pytest.mark.parametrize("mask_kind", [None, "2d_bool", "2d_float", "3d_bool", "3d_float"])
-@pytest.mark.parametrize("kpm_kind", [None, "bool", "float"])
+@pytest.mark.parametrize("kpm_kind", [None, "bool", "float", "float_bias"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_softmax_matches_torch(config, layout, kpm_kind, mask_kind):

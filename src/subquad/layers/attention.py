@@ -3,7 +3,9 @@
 The module owns the q/k/v/out projections (same parameter names as torch, so a trained
 ``nn.MultiheadAttention`` state dict loads into it) and an *attention core*: a small module
 per method that calls the op and owns what the method itself needs (Performer's fixed
-features for eval, Nyström's depthwise conv skip; later sort and landmark networks).
+features for eval, Nyström's depthwise conv skip, Sinkhorn's sort and LARA's landmark networks in
+their own files). The module itself reproduces torch's argument handling (masks, unbatched and
+nested inputs, ``add_bias_kv`` / ``add_zero_attn``, weights, errors); see its docstring.
 """
 
 from __future__ import annotations
@@ -147,9 +149,10 @@ class SoftmaxCore(AttentionCore):
 
 @register_core("ra")
 class RaCore(AttentionCore):
-    """Randomized attention: the op's ``estimator`` (default ``"sample"``, stochastic) while the
-    module trains; in eval always ``estimator="mixture_mean"`` (the estimator's deterministic
-    value at the mixture mean, Zheng et al. 2022, Sec. 3), so ``.eval()`` is deterministic."""
+    """Randomized attention (Zheng et al. 2022): the op's ``estimator`` (default ``"sample"``, the
+    unbiased stochastic one) while the module trains; in eval always
+    ``estimator="mixture_mean"`` (f at the mean of the proposal mixture, no noise: biased, and a
+    subquad choice rather than the paper's), so ``.eval()`` is deterministic."""
 
     def op_options(self):
         if self.training:
@@ -301,8 +304,10 @@ class MultiheadAttention(nn.Module):
     ``MultiheadAttention(512, 8, method="nystrom", num_landmarks=64, batch_first=True)``.
     Parameter names, shapes and initialisation are torch's, so state dicts load both ways.
     ``dropout`` (on attention weights) exists only for ``softmax``. ``add_bias_kv`` and
-    ``add_zero_attn`` append one learned / one zero key and value, visible to every query (causal
-    methods get them as a prefix, so that causality holds for the input's tokens).
+    ``add_zero_attn`` append one learned / one zero key and value, visible to every query (when
+    causal, and for self-attention-only methods, approximate methods get them as leading tokens
+    with placeholder queries, so that causality holds for the input's tokens). In eval every
+    method is deterministic (``ra`` then uses ``estimator="mixture_mean"``, see :class:`RaCore`).
 
     ``forward(query, key, value, key_padding_mask=None, need_weights=None, attn_mask=None,
     average_attn_weights=True, is_causal=False)`` takes ``(L, N, E)`` (``(N, L, E)`` with
@@ -312,20 +317,20 @@ class MultiheadAttention(nn.Module):
     - ``method="softmax"`` computes what torch computes for every argument: masks 2-D ``(L, S)`` or
       3-D ``(N * num_heads, L, S)``, bool (True = masked) or float (added to the logits),
       ``key_padding_mask`` ``(N, S)`` bool or float, weights averaged over heads ``(N, L, S)`` or
-      per head ``(N, num_heads, L, S)`` (``need_weights=None`` means torch's default True). One
-      difference: a query whose every key is masked outputs zeros (torch gives NaN), and
-      ``is_causal=True`` needs no ``attn_mask``.
+      per head ``(N, num_heads, L, S)`` (``need_weights=None`` means torch's default True). Where
+      it differs: a query whose every key is masked outputs zeros (torch gives NaN);
+      ``is_causal=True`` needs no ``attn_mask``; nested inputs work outside torch's fast path.
     - Other methods never form the weight matrix: ``weights`` is None. The default
       (``need_weights=None``) returns None quietly; an explicit ``need_weights=True`` also warns,
-      once per module. ``attn_mask`` is accepted only where the method honours it exactly: all
-      masked-nothing, the causal mask (same as ``is_causal=True``), or a mask that hides the same
+      once per module. ``attn_mask`` is accepted only where the method honours it exactly: one
+      that masks nothing, the causal mask (same as ``is_causal=True``), or a mask that hides the same
       keys from every query and head (a key padding mask); anything else is a ValueError naming
       the method. A float ``key_padding_mask`` may hold only 0 and -inf.
 
     Bad shapes raise :class:`MHAShapeError` / :class:`MHAShapeRuntimeError`, ValueErrors that are
     also the AssertionError / RuntimeError torch raises for the same mistake; a mask of another
-    dtype than bool or float raises :class:`MHADtypeError` (TypeError and AssertionError). Works as the
-    ``self_attn`` / ``multihead_attn`` of ``torch.nn.TransformerEncoderLayer`` and
+    dtype than bool or float raises :class:`MHADtypeError` (TypeError and AssertionError). Works
+    as the ``self_attn`` / ``multihead_attn`` of ``torch.nn.TransformerEncoderLayer`` and
     ``TransformerDecoderLayer``, also when swapped into an already built ``TransformerEncoder``
     (whose eval fast path hands over nested tensors).
     """
