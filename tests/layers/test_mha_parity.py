@@ -286,6 +286,46 @@ def test_softmax_nested_matches_torch_fast_path():
         assert_close(a, b, tol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+@pytest.mark.parametrize("method", ATTENTION_METHODS)
+def test_nested_inputs_every_method(method, layout):
+    """Nested query and key/value (self and cross), any layout, in training with grad: the output
+    is nested in the query's layout and lengths, equal to the padded computation, and gradients
+    reach the inputs and the parameters."""
+    _, ours = make_pair(method=method, dtype=torch.float32)
+    ours.eval()
+    seqs = [randn(8, E, seed=1, dtype=torch.float32).requires_grad_(), randn(5, E, seed=2, dtype=torch.float32)]
+    nested = torch.nested.as_nested_tensor(seqs, layout=layout)
+    memory = torch.nested.as_nested_tensor([randn(8, E, seed=3, dtype=torch.float32)] * 2, layout=layout)
+    for key in (nested, memory):
+        out, weights = ours(nested, key, key)
+        assert out.is_nested and out.layout == layout and weights is None
+        assert [t.shape[0] for t in out.unbind()] == [8, 5]
+        padded_q = torch.nested.to_padded_tensor(nested, 0.0)
+        padded_k = torch.nested.to_padded_tensor(key, 0.0)
+        lengths = [t.shape[0] for t in key.unbind()]
+        kpm = torch.arange(8)[None, :] >= torch.tensor(lengths)[:, None]
+        expected = ours(padded_q, padded_k, padded_k, key_padding_mask=kpm, need_weights=False)[0]
+        for got, want in zip(out.unbind(), expected):
+            assert_close(got, want[: got.shape[0]], tol=1e-5)
+    ours.train()
+    torch.nested.to_padded_tensor(ours(nested, nested, nested)[0], 0.0).sum().backward()
+    assert seqs[0].grad is not None and ours.out_proj.weight.grad is not None
+
+
+@pytest.mark.parametrize("method", ATTENTION_METHODS)
+def test_empty_batch(method):
+    """B = 0 gives torch's empty shapes."""
+    ref, ours = make_pair(method=method)
+    q, k, v = (t[:0] for t in qkv("plain", "batch_first", 8, 8))
+    kpm = torch.zeros(0, 8, dtype=torch.bool)
+    expected, got = ref(q, k, v, key_padding_mask=kpm), ours(q, k, v, key_padding_mask=kpm)
+    assert got[0].shape == expected[0].shape
+    if method == "softmax":
+        assert got[1].shape == expected[1].shape
+
+
 def test_fully_masked_query_outputs_zeros():
     """The one documented difference: a query that sees no key outputs 0 (torch: NaN)."""
     _, ours = make_pair()
