@@ -272,6 +272,22 @@ def test_softmax_bf16_autocast(mask_kind, need_weights):
         assert rel_error(got[1], expected[1]) < 1e-2
 
 
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("mask_kind", [None, "3d_float"])
+def test_softmax_float64_under_bf16_autocast(mask_kind, need_weights):
+    """Autocast leaves float64 alone: torch's numbers in float64 (the masks too)."""
+    ref, ours = make_pair()
+    q, k, v = qkv("plain", "batch_first", 5, 7)
+    kw = {"key_padding_mask": key_padding("bool", 7, "batch_first"), "need_weights": need_weights,
+          "attn_mask": general_mask(mask_kind, 5, 7, "batch_first")}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, got = ref(q, k, v, **kw), ours(q, k, v, **kw)
+    assert got[0].dtype == F64
+    assert_close(got[0], expected[0])
+    if need_weights:
+        assert_close(got[1], expected[1])
+
+
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 def test_softmax_nested_matches_torch_fast_path():
     """A nested batch (torch accepts it on its eval / no_grad fast path) gives torch's output."""

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..ops._masks import masked_fill_value
+from ..ops._masks import masked_fill_value, sdpa_dtype
 from ..ops.performer import random_projection
 from ..registry import MethodInfo, get_method
 
@@ -118,9 +118,7 @@ class SoftmaxCore(AttentionCore):
             blocked = bl if blocked is None else blocked | bl
             if bi is not None:
                 bias = bi if bias is None else bias + bi
-        dtype = q.dtype
-        if torch.is_autocast_enabled(q.device.type):
-            dtype = torch.get_autocast_dtype(q.device.type)
+        dtype = sdpa_dtype(q)  # a float attn_mask must be in the dtype SDPA computes in
         p = self.dropout if self.training else 0.0
         empty = None if blocked is None else blocked.all(-1, keepdim=True)
         if need_weights:
