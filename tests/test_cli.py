@@ -29,6 +29,17 @@ def test_help_exits_0(capsys):
     assert "--max-error" in out and "--source" in out and "--peers" in out
 
 
+def test_python_dash_m_subquad():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "subquad", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "compare" in proc.stdout and "evaluate" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "subquad", "evaluate", "listops", "--checkpoint", "/nonexistent.pt"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "nonexistent.pt" in proc.stderr
+
+
 def test_a_command_is_required(capsys):
     code, _, err = run_cli([], capsys)
     assert code == 2 and "required" in err
