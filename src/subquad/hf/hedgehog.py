@@ -7,10 +7,11 @@ attention with these features mimics softmax attention. LoLCATs (Zhang et al. 20
 On Low-Rank Linearizing of Large Language Models", Section 3.1) trains the same maps against
 the exact layer's *output*, which is what :func:`subquad.hf.transfer` does.
 
-``window > 0`` adds the LoLCATs hybrid (Section 3.2): each query attends to its ``window`` most
-recent-and-following keys (``|i - j| < window``; only ``j <= i`` when causal) with exact
-``exp(q.k * scale)`` weights, and to all other keys with the linear term, under one shared
-normaliser. The window term costs ``O(N * window)``, so the whole stays linear in N.
+``window > 0`` adds the LoLCATs hybrid (Section 3.2, there a sliding window): each query attends
+to the keys of its own block of ``window`` tokens and of the neighbouring blocks (the previous one
+only, and no later position, when causal) with exact ``exp(q.k * scale)`` weights, and to all
+other keys with the linear term, under one shared normaliser. The window term costs
+``O(N * window)``, so the whole stays linear in N.
 
 This is implemented here with torch directly (it is a retrofit piece, not a registry op): the
 module owns its parameters and calls :func:`subquad.ops.linear.kernel_attention` for the linear
@@ -50,20 +51,33 @@ class HedgehogFeatureMap(nn.Module):
         return torch.cat([torch.softmax(z, dim=-1), torch.softmax(-z, dim=-1)], dim=-1)
 
 
-def _window_scores(q: Tensor, k: Tensor, window: int, causal: bool, scale: float):
-    """Exact logits of each query against keys ``j`` with ``|i - j| < window`` (``j <= i`` when
-    causal), gathered into ``(B, H, N, W)`` plus the key index of each slot and a validity mask;
-    never an ``N x M`` tensor."""
-    n, m = q.shape[2], k.shape[2]
-    lo = -(window - 1)
-    hi = 0 if causal else window - 1
-    offsets = torch.arange(lo, hi + 1, device=q.device)
-    idx = torch.arange(n, device=q.device)[:, None] + offsets[None, :]  # (N, W)
-    valid = (idx >= 0) & (idx < m)
-    idx_c = idx.clamp(0, m - 1)
-    kw = k[:, :, idx_c]  # (B, H, N, W, D)
-    logits = torch.einsum("bhnd,bhnwd->bhnw", q, kw) * scale
-    return logits, idx_c, valid
+def _blocks(x: Tensor, size: int, n_blocks: int) -> Tensor:
+    """``(B, H, L, E)`` -> ``(B, H, n_blocks, size, E)``, zero-padded at the end."""
+    pad = n_blocks * size - x.shape[2]
+    return F.pad(x, (0, 0, 0, pad)).unflatten(2, (n_blocks, size))
+
+
+def _neighbours(xb: Tensor, causal: bool) -> Tensor:
+    """Each block with its neighbours along the key axis: ``(B, H, nb, S, E)`` ->
+    ``(B, H, nb, k*S, E)`` with blocks ``[i-1, i]`` (causal) or ``[i-1, i, i+1]``; zeros outside."""
+    prev = F.pad(xb, (0, 0, 0, 0, 1, 0))[:, :, :-1]
+    parts = [prev, xb] if causal else [prev, xb, F.pad(xb, (0, 0, 0, 0, 0, 1))[:, :, 1:]]
+    return torch.cat(parts, dim=3)
+
+
+def window_keys(n: int, m: int, window: int, causal: bool, device=None) -> Tensor:
+    """Bool ``(nb, window, k*window)``: which key slot of :func:`_neighbours` is a real key in the
+    exact window of each query (same or adjacent block of ``window`` tokens; causal: earlier or
+    same position)."""
+    nb = -(-n // window)
+    span = 2 if causal else 3
+    qpos = torch.arange(nb * window, device=device).view(nb, window, 1)
+    blk = torch.arange(nb, device=device).view(nb, 1, 1)
+    kpos = (blk - 1) * window + torch.arange(span * window, device=device).view(1, 1, -1)
+    ok = (kpos >= 0) & (kpos < m) & (qpos < n)
+    if causal:
+        ok = ok & (kpos <= qpos)
+    return ok
 
 
 def hedgehog_attention(
@@ -81,24 +95,23 @@ def hedgehog_attention(
     linear_weight: Tensor | None = None,
 ) -> Tensor:
     """Linear attention on the features ``phi_q`` ``(B, H, N, F)``, ``phi_k`` ``(B, H, M, F)``,
-    plus the optional exact sliding window (on the raw q ``(B, H, N, D)``, k ``(B, H, M, D)``).
+    plus the optional exact window (on the raw q ``(B, H, N, D)``, k ``(B, H, M, D)``).
 
-    Returns ``(B, H, N, Dv)``. ``key_padding_mask`` bool ``(B, M)``, True = padding. Keys inside
-    the window are removed from the linear term, so every key counts once. ``linear_weight``
-    ``(H,)`` (positive) weighs the linear term against the window's ``exp`` weights (LoLCATs
-    learns this balance too); default 1.
+    The window is block-banded: the tokens are cut in blocks of ``window``; a query sees exactly
+    the keys of its own block and the previous one (and the next one, non-causal), so between
+    ``window`` and ``3 * window`` keys, computed as small dense block products; every other key
+    goes through the linear term. Returns ``(B, H, N, Dv)``. ``key_padding_mask`` bool
+    ``(B, M)``, True = padding. ``linear_weight`` ``(H,)`` (positive) weighs the linear term
+    against the window's ``exp`` weights (LoLCATs learns this balance too); default 1.
     """
     if window <= 0:
         return kernel_attention(phi_q, phi_k, v, key_padding_mask, causal, chunk_size)
-    if q.shape[2] != k.shape[2]:
+    n, m = q.shape[2], k.shape[2]
+    if n != m:
         raise ValueError("hedgehog: window > 0 needs equal query and key lengths")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if key_padding_mask is not None:
         phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
-    logits, idx, valid = _window_scores(q, k, window, causal, scale)
-    if key_padding_mask is not None:
-        valid = valid & ~key_padding_mask[:, idx][:, None]  # (B, 1, N, W)
-    # linear term over all keys, then the window's keys taken out again: sum_j phi_q.phi_k_j
     v1 = F.pad(v, (0, 1), value=1.0)  # last column: the normaliser
     if causal:
         from ..ops.linear import _causal_chunked
@@ -106,19 +119,27 @@ def hedgehog_attention(
         lin = _causal_chunked(phi_q, phi_k, v1, chunk_size)
     else:
         lin = phi_q @ (phi_k.transpose(-2, -1) @ v1)
-    lin_w = torch.einsum("bhnf,bhnwf->bhnw", phi_q, phi_k[:, :, idx]).masked_fill(~valid, 0.0)
-    v1w = v1[:, :, idx]  # (B, H, N, W, Dv+1)
-    lin = lin - torch.einsum("bhnw,bhnwe->bhne", lin_w, v1w)
-    # exact window term, stabilised by the row max; the linear term is scaled to match
-    logits = logits.masked_fill(~valid, -1e30)
-    # (clamped at 0, so exp(-mx) <= 1 never overflows; tiny window weights then underflow, which
-    # is right: the linear term, of order 1, dominates them)
+    nb = -(-n // window)
+    ok = window_keys(n, m, window, causal, q.device)  # (nb, S, K)
+    if key_padding_mask is not None:
+        real = _neighbours(_blocks((~key_padding_mask)[:, None, :, None].float(), window, nb), causal)
+        ok = ok & (real.squeeze(-1) > 0)[:, 0, :, None, :]  # (B, nb, S, K)
+        ok = ok[:, None]
+    qb, kn = _blocks(q, window, nb), _neighbours(_blocks(k, window, nb), causal)
+    fqb, fkn = _blocks(phi_q, window, nb), _neighbours(_blocks(phi_k, window, nb), causal)
+    vn = _neighbours(_blocks(v1, window, nb), causal)
+    # the window's keys leave the linear term (every key counts once) ...
+    lin_w = (fqb @ fkn.transpose(-2, -1)).masked_fill(~ok, 0.0)
+    lin = lin - (lin_w @ vn).flatten(2, 3)[:, :, :n]
+    # ... and enter with exact weights, stabilised by the row max (clamped at 0 so exp(-mx) <= 1:
+    # tiny window weights then underflow, which is right, the linear term of order 1 dominates)
+    logits = (qb @ kn.transpose(-2, -1) * scale).masked_fill(~ok, -1e30)
     mx = logits.amax(-1, keepdim=True).clamp_min(0.0)
-    ew = torch.exp(logits - mx).masked_fill(~valid, 0.0)
-    lin = lin * torch.exp(-mx)
+    ew = torch.exp(logits - mx).masked_fill(~ok, 0.0)
+    lin = lin * torch.exp(-mx).flatten(2, 3)[:, :, :n]
     if linear_weight is not None:
         lin = lin * linear_weight.view(1, -1, 1, 1)
-    out = torch.einsum("bhnw,bhnwe->bhne", ew, v1w) + lin
+    out = (ew @ vn).flatten(2, 3)[:, :, :n] + lin
     den = out[..., -1:]
     return out[..., :-1] / torch.where(den > 0, den, torch.ones_like(den))
 
@@ -134,7 +155,7 @@ def hedgehog_attention_reference(phi_q, phi_k, q, k, v, key_padding_mask=None, c
     i = torch.arange(n)[:, None]
     j = torch.arange(m)[None, :]
     if window > 0:
-        near = (i - j).abs() < window
+        near = (i // window - j // window).abs() <= 1
         w = torch.where(near, torch.exp(q @ k.transpose(-2, -1) * scale), w)
     if causal:
         w = w.masked_fill(j > i, 0.0)
