@@ -400,6 +400,18 @@ def test_invalid_shapes_raise_torchs_exception(method, case):
     assert isinstance(ours_error.value, (ValueError, TypeError))
 
 
+@pytest.mark.parametrize("kwargs", [{"embed_dim": 16, "num_heads": 3}, {"embed_dim": 0, "num_heads": 4},
+                                    {"embed_dim": 16, "num_heads": 0}, {"embed_dim": 16.0, "num_heads": 4}])
+@pytest.mark.parametrize("method", ATTENTION_METHODS)
+def test_invalid_constructor_raises_torchs_exception(method, kwargs):
+    with pytest.raises(Exception) as torch_error:
+        nn.MultiheadAttention(**kwargs)
+    with pytest.raises(type(torch_error.value)) as ours_error:
+        subquad.MultiheadAttention(**kwargs, method=method)
+    assert isinstance(ours_error.value, (ValueError, TypeError))
+    assert ("embed_dim" in str(ours_error.value)) or ("num_heads" in str(ours_error.value))
+
+
 # =========================================================================== every other method
 
 

@@ -338,15 +338,15 @@ class MultiheadAttention(nn.Module):
                  vdim: int | None = None, batch_first: bool = False, device=None, dtype=None, *,
                  method: str = "softmax", **options: Any):
         super().__init__()
-        if isinstance(embed_dim, bool) or not isinstance(embed_dim, int) or embed_dim <= 0:
-            raise ValueError(f"embed_dim must be a positive int, got {embed_dim!r}")
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
-            raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+        for name, d in (("embed_dim", embed_dim), ("num_heads", num_heads), ("kdim", kdim), ("vdim", vdim)):
+            if d is None and name in ("kdim", "vdim"):
+                continue
+            if isinstance(d, bool) or not isinstance(d, int):  # torch: TypeError from torch.empty
+                raise TypeError(f"{name} must be a positive int, got {d!r}")
+            if d <= 0:
+                raise ValueError(f"{name} must be a positive int, got {d!r}")
         if embed_dim % num_heads:
-            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
-        for name, d in (("kdim", kdim), ("vdim", vdim)):
-            if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d <= 0):
-                raise ValueError(f"{name} must be a positive int or None, got {d!r}")
+            raise MHAShapeError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         info = get_method(method)
