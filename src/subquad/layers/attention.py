@@ -274,7 +274,8 @@ def _as_padding_mask(mask: Tensor | None, batch: int, length: int) -> Tensor | N
         raise MHAShapeError(f"key_padding_mask must have shape (batch, source length) = {(batch, length)}, "
                             f"got {tuple(mask.shape)}")
     blocked, bias = _blocked_and_bias(mask)
-    if bias is not None and bool(bias.ne(0).any()):
+    # (a data-dependent check: skipped while torch.compile traces, where only -inf counts)
+    if bias is not None and not torch.compiler.is_compiling() and bool(bias.ne(0).any()):
         raise ValueError("a float key_padding_mask may hold only 0 (keep) and -inf (padding) for approximate "
                          "methods; other additive biases need method='softmax'")
     return blocked
@@ -561,7 +562,9 @@ class MultiheadAttention(nn.Module):
         add the extra keys and call the core."""
         B, S = k.shape[0], k.shape[2]
         pad = _as_padding_mask(key_padding_mask, B, S)
-        if attn_mask is not None:
+        # is_causal=True says attn_mask is the causal mask; trusted as torch trusts it (no
+        # data-dependent check, so a compiled encoder passing both stays one graph)
+        if attn_mask is not None and not causal:
             blocked, bias = _blocked_and_bias(attn_mask)
             if bias is not None and bool(bias.ne(0).any()):
                 raise ValueError(f"method {self.method!r} cannot add a float attn_mask to its logits (it never "
