@@ -446,7 +446,7 @@ class MultiheadAttention(nn.Module):
         if need_weights is None:
             need_weights = exact
         elif need_weights and not exact:
-            if not self._warned_weights:
+            if not getattr(self, "_warned_weights", False):
                 warnings.warn(f"need_weights=True: method {self.method!r} never forms the attention weight "
                               "matrix, so the weights returned are None (pass need_weights=False to say so)",
                               UserWarning, stacklevel=2)
@@ -459,6 +459,8 @@ class MultiheadAttention(nn.Module):
 
     def _forward_dense(self, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
                        is_causal, batch_first):
+        """forward on plain tensors, with the layout given by ``batch_first`` (nested inputs come
+        here padded, batch first)."""
         exact = self.method == "softmax"
         unbatched = self._check_shapes(query, key, value, key_padding_mask, attn_mask)
         if unbatched:
@@ -479,7 +481,7 @@ class MultiheadAttention(nn.Module):
             want = (L, S) if attn_mask.dim() == 2 else (B * self.num_heads, L, S)
             if tuple(attn_mask.shape) != want:
                 raise MHAShapeRuntimeError(f"attn_mask of {attn_mask.dim()} dims must have shape {want}, "
-                                        f"got {tuple(attn_mask.shape)}")
+                                           f"got {tuple(attn_mask.shape)}")
             attn_mask = attn_mask.view(1, 1, L, S) if attn_mask.dim() == 2 else attn_mask.view(B, -1, L, S)
         if key_padding_mask is not None:
             _check_mask_dtype("key_padding_mask", key_padding_mask)
