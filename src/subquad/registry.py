@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
 from torch import Tensor
 
 __all__ = ["MethodInfo", "register_method", "register_mixer", "get_method", "list_methods", "attention"]
@@ -130,6 +131,11 @@ def register_method(
                 raise NotImplementedError(f"method {name!r} does not support key_padding_mask")
             if scale is not None:
                 scale = _check_scale(name, scale)
+            if opts.get("generator") is not None and torch.compiler.is_compiling():
+                raise ValueError(
+                    f"{name}: torch.compile cannot trace a torch.Generator; under torch.compile pass "
+                    "generator=None (the op draws from the global RNG: seed it with torch.manual_seed)"
+                )
             o = info.make_options(**opts)
             fields = {n: getattr(o, n) for n in info.option_names}
             return impl(q, k, v, key_padding_mask, causal, scale, **fields)

@@ -32,14 +32,14 @@ __all__ = [
 def segment_lengths(n: int, m: int) -> list[int]:
     """Lengths of the m contiguous segments of n positions: the first ``m - n % m`` have
     ``n // m`` positions and the last ``n % m`` have one more (no padding)."""
-    s, r = divmod(n, m)
+    s, r = n // m, n % m  # not divmod: dynamo cannot trace it on symbolic sizes
     return [s] * (m - r) + [s + 1] * r
 
 
 def _segment_sum(x: Tensor, m: int) -> Tensor:
     """Sum over the segments of :func:`segment_lengths` along dim -2: ``(..., n, d) -> (..., m, d)``."""
     n = x.shape[-2]
-    s, r = divmod(n, m)
+    s, r = n // m, n % m  # not divmod: dynamo cannot trace it on symbolic sizes
     split = (m - r) * s
     head = x[..., :split, :].unflatten(-2, (m - r, s)).sum(-2)
     if r == 0:
