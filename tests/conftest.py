@@ -121,3 +121,14 @@ def run_method(name: str, q, k, v, *, seed: int = 0, **kwargs) -> torch.Tensor:
 def method(request) -> str:
     """Every registered attention method, by name."""
     return request.param
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """200 / 40 / 40 short ListOps samples (lengths 6..59) for the training tests."""
+    from subquad.tasks import listops
+
+    out = tmp_path_factory.mktemp("listops")
+    cfg = listops.GeneratorConfig(max_depth=4, max_args=5, min_length=5, max_length=60)
+    listops.write_splits(out, listops.generate_splits(200, 40, 40, seed=0, config=cfg))
+    return out
