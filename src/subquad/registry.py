@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -190,10 +189,12 @@ def _public_signature(name: str, options: type) -> inspect.Signature:
 
 
 def _check_scale(name: str, scale: Any) -> float:
-    """``scale`` as a float; ValueError unless it is a positive, finite real number."""
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or not scale > 0:
+    """``scale`` as a float; ValueError unless it is a positive, finite real number. (Finite as
+    ``scale - scale == 0``, not ``math.isfinite``: torch.compile turns a scale that changes
+    between calls into a symbolic float, which it can compare but not pass to ``math``.)"""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (scale > 0 and scale - scale == 0):
         raise ValueError(f"{name}: scale must be a positive finite number, got {scale!r}")
-    return float(scale)
+    return scale if isinstance(scale, float) else float(scale)
 
 
 def register_mixer(
