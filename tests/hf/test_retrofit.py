@@ -208,8 +208,8 @@ def test_sliding_window_pattern_refused():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("window", [0, 3])
-def test_hedgehog_matches_reference(causal, window):
+@pytest.mark.parametrize("window,sinks", [(0, 0), (3, 0), (3, 2), (2, 2)])
+def test_hedgehog_matches_reference(causal, window, sinks):
     torch.manual_seed(0)
     fm = HedgehogFeatureMap(2, 8)
     with torch.no_grad():
@@ -219,12 +219,15 @@ def test_hedgehog_matches_reference(causal, window):
     mask = torch.zeros(2, 11, dtype=torch.bool)
     mask[1, 7:] = True
     lw = torch.tensor([0.5, 2.0], dtype=torch.float64)
-    got = hedgehog_attention(fm(q), fm(k), q, k, v, mask, causal, window=window, chunk_size=4, linear_weight=lw)
-    ref = hedgehog_attention_reference(fm(q), fm(k), q, k, v, mask, causal, window=window, linear_weight=lw)
+    mask[0, 0] = True  # a padded sink
+    got = hedgehog_attention(fm(q), fm(k), q, k, v, mask, causal, window=window, chunk_size=4, linear_weight=lw,
+                             sinks=sinks)
+    ref = hedgehog_attention_reference(fm(q), fm(k), q, k, v, mask, causal, window=window, linear_weight=lw,
+                                       sinks=sinks)
     torch.testing.assert_close(got, ref)
 
 
-@pytest.mark.parametrize("method,options", [("hedgehog", {}), ("hedgehog", {"window": 3}),
+@pytest.mark.parametrize("method,options", [("hedgehog", {}), ("hedgehog", {"window": 3, "sinks": 1}),
                                             ("nystrom", {"num_landmarks": 4}), ("linear", {})])
 def test_transfer_lowers_layer_loss(method, options):
     model = tiny_bert(initializer_range=0.3)  # sharper attention than the default init's near-uniform one
@@ -252,8 +255,8 @@ def test_transfer_resumes_from_checkpoint(tmp_path):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("method,options", [("hedgehog", {"window": 2}), ("performer", {"num_features": 16}),
-                                            ("nystrom", {"num_landmarks": 4})])
+@pytest.mark.parametrize("method,options", [("hedgehog", {"window": 2, "sinks": 1}),
+                                            ("performer", {"num_features": 16}), ("nystrom", {"num_landmarks": 4})])
 def test_save_load_round_trip(tmp_path, method, options):
     model = tiny_bert()
     H.retrofit(model, method, **options)

@@ -32,7 +32,7 @@ __all__ = ["RetrofitAttention", "retrofit", "unretrofit", "is_retrofitted", "att
 IMPLEMENTATION = "subquad"
 # options consumed by the retrofit itself, never passed to an op
 _RETROFIT_OPTIONS = ("adapter", "seed")
-_HEDGEHOG_DEFAULTS = {"feature_dim": None, "window": 0, "chunk_size": 64}
+_HEDGEHOG_DEFAULTS = {"feature_dim": None, "window": 0, "sinks": 0, "chunk_size": 64}
 # methods whose output at one query depends only on that query and the keys: with a KV cache
 # (fewer queries than keys) the queries can be left-padded to the key length, exactly
 _QUERY_LOCAL = ("softmax", "linear", "performer", "hedgehog")
@@ -77,6 +77,8 @@ class RetrofitAttention(nn.Module):
             options = {**_HEDGEHOG_DEFAULTS, **options}
             if int(options["window"]) < 0 or int(options["chunk_size"]) < 1:
                 raise ValueError(f"hedgehog: window must be >= 0 and chunk_size >= 1, got {options}")
+            if not 0 <= int(options["sinks"]) <= int(options["window"]):
+                raise ValueError(f"hedgehog: sinks must be between 0 and window, got {options}")
             self.feature_map = HedgehogFeatureMap(heads, head_dim, options["feature_dim"])
             if options["window"] > 0:
                 self.linear_log_weight = nn.Parameter(torch.zeros(heads))
@@ -128,7 +130,8 @@ class RetrofitAttention(nn.Module):
             o = self.options
             lw = self.linear_log_weight.exp() if o["window"] > 0 else None
             out = hedgehog_attention(self.feature_map(q), self.feature_map(k), q, k, v, key_padding_mask, causal,
-                                     window=o["window"], scale=scale, chunk_size=o["chunk_size"], linear_weight=lw)
+                                     window=o["window"], scale=scale, chunk_size=o["chunk_size"], linear_weight=lw,
+                                     sinks=o["sinks"])
             return out.to(dtype)
         opts = dict(self.options)
         if self.method == "performer":
