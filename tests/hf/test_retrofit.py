@@ -150,10 +150,11 @@ def test_decoder_left_padding_matches_unpadded(method):
     torch.testing.assert_close(batch[:, 5:], alone, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["hedgehog", "linear", "performer"])
-def test_cached_generation_matches_full_forward(method):
+@pytest.mark.parametrize("method,options", [("hedgehog", {"chunk_size": 4}), ("hedgehog", {"window": 4, "sinks": 1}),
+                                            ("linear", {"chunk_size": 4}), ("performer", {"num_features": 32})])
+def test_cached_generation_matches_full_forward(method, options):
     model = tiny_llama()
-    H.retrofit(model, method, **OPTIONS.get(method, {}))
+    H.retrofit(model, method, **options)
     prompt = _ids(1, 6)
     got = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
     x = prompt
