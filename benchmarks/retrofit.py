@@ -154,7 +154,8 @@ def markdown(res: dict) -> str:
         out += [f"Embedding agreement with the exact model on {q['held_out']} held-out standard-library docstring "
                 f"paragraphs (mean-pooled sentence embeddings; cosine mean and minimum, and top-1 nearest-neighbour "
                 f"agreement among the paragraphs) and the mean cosine on {q['held_out_long']} held-out texts of about "
-                f"400 tokens. Transfer: {q['train_texts']} training texts ({q['train_tokens']} tokens) of numpy, "
+                f"400 tokens ('-': not measured). Transfer: {q['train_texts']} training texts "
+                f"({q['train_tokens']} tokens) of numpy, "
                 f"torch and transformers docstrings; the teacher cache took {q['cache_seconds']:.0f} s and is shared "
                 "by all "
                 "rows; transfer time excludes it.", "",
@@ -167,12 +168,13 @@ def markdown(res: dict) -> str:
                 out.append(f"| {r['label']} | {r['budget']} | FAILED: {r['error']} |" + " |" * 9)
                 continue
             z, a = r["zero_shot"], r.get("after")
-            zl, al = r["zero_shot_long"], r.get("after_long")
+            zl, al = r.get("zero_shot_long"), r.get("after_long")
             tr = r.get("transfer", {})
             out.append(
                 f"| {r['label']} | {r['budget']} | {_fmt(z['mean_cosine'])} | {_fmt(z['min_cosine'])} | "
                 f"{_fmt(z['nn_agreement'], 3)} | {_fmt(a and a['mean_cosine'])} | {_fmt(a and a['min_cosine'])} | "
-                f"{_fmt(a and a['nn_agreement'], 3)} | {_fmt(zl['mean_cosine'])} / {_fmt(al and al['mean_cosine'])} | "
+                f"{_fmt(a and a['nn_agreement'], 3)} | "
+                f"{_fmt(zl and zl['mean_cosine'])} / {_fmt(al and al['mean_cosine'])} | "
                 f"{r['steps']} | {_fmt(tr.get('seconds'), 0)} | {tr.get('parameters', '-')} |")
     s = res.get("speed")
     if s:
