@@ -31,29 +31,20 @@ class _Sized:
         return self.n
 
 
-class ShardedBatchSampler:
-    """``next(sampler)`` -> list of ``batch_size`` indices for this process."""
+class _EpochStream:
+    """An endless stream of batches, epoch after epoch, whose position (epoch, batch) is its whole
+    state. A subclass sets ``batches_per_epoch`` and returns batch ``b`` of the current epoch from
+    :meth:`_batch`, caching per-epoch work in ``self._epoch_cache`` (cleared at each new epoch)."""
 
-    def __init__(self, num_samples: int, batch_size: int, *, world_size: int = 1, rank: int = 0,
-                 seed: int = 0):
-        if num_samples < world_size * batch_size:
-            raise ValueError(
-                f"the training set has {num_samples} samples, fewer than one global batch "
-                f"({world_size} x {batch_size})"
-            )
-        self.batch_size = batch_size
-        self.sampler = DistributedSampler(_Sized(num_samples), num_replicas=world_size, rank=rank,
-                                          shuffle=True, seed=seed, drop_last=True)
-        self.batches_per_epoch = len(self.sampler) // batch_size
+    batches_per_epoch: int
+
+    def __init__(self):
         self.epoch = 0
         self.batch = 0
-        self._indices: list[int] | None = None
+        self._epoch_cache = None
 
-    def _epoch_indices(self) -> list[int]:
-        if self._indices is None:
-            self.sampler.set_epoch(self.epoch)
-            self._indices = list(iter(self.sampler))
-        return self._indices
+    def _batch(self, b: int) -> list[int]:
+        raise NotImplementedError
 
     def __iter__(self):
         return self
@@ -62,9 +53,8 @@ class ShardedBatchSampler:
         if self.batch >= self.batches_per_epoch:
             self.epoch += 1
             self.batch = 0
-            self._indices = None
-        start = self.batch * self.batch_size
-        out = self._epoch_indices()[start:start + self.batch_size]
+            self._epoch_cache = None
+        out = self._batch(self.batch)
         self.batch += 1
         return out
 
@@ -74,11 +64,34 @@ class ShardedBatchSampler:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch = int(state["epoch"])
         self.batch = int(state["batch"])
-        self._indices = None
+        self._epoch_cache = None
+
+
+class ShardedBatchSampler(_EpochStream):
+    """``next(sampler)`` -> list of ``batch_size`` indices for this process."""
+
+    def __init__(self, num_samples: int, batch_size: int, *, world_size: int = 1, rank: int = 0,
+                 seed: int = 0):
+        if num_samples < world_size * batch_size:
+            raise ValueError(
+                f"the training set has {num_samples} samples, fewer than one global batch "
+                f"({world_size} x {batch_size})"
+            )
+        super().__init__()
+        self.batch_size = batch_size
+        self.sampler = DistributedSampler(_Sized(num_samples), num_replicas=world_size, rank=rank,
+                                          shuffle=True, seed=seed, drop_last=True)
+        self.batches_per_epoch = len(self.sampler) // batch_size
+
+    def _batch(self, b: int) -> list[int]:
+        if self._epoch_cache is None:
+            self.sampler.set_epoch(self.epoch)
+            self._epoch_cache = list(iter(self.sampler))
+        return self._epoch_cache[b * self.batch_size:(b + 1) * self.batch_size]
 
 
 
-class BucketBatchSampler:
+class BucketBatchSampler(_EpochStream):
     """``next(sampler)`` -> list of ``batch_size`` indices of samples of similar length.
 
     Epoch ``e`` draws one permutation of the data set from ``numpy.random.default_rng([seed, e])``
@@ -109,13 +122,11 @@ class BucketBatchSampler:
         if len(lengths) < global_batch:
             raise ValueError(f"the training set has {len(lengths)} samples, fewer than one global batch "
                              f"({world_size} x {batch_size})")
+        super().__init__()
         self.lengths = lengths if cap is None else np.minimum(lengths, cap)
         self.batch_size, self.world_size, self.rank = batch_size, world_size, rank
         self.seed, self.pool_batches = seed, pool_batches
         self.batches_per_epoch = len(lengths) // global_batch
-        self.epoch = 0
-        self.batch = 0
-        self._batches: np.ndarray | None = None
 
     def epoch_batches(self, epoch: int) -> np.ndarray:
         """``(batches_per_epoch, world_size * batch_size)``: the global batches of ``epoch``."""
@@ -128,24 +139,7 @@ class BucketBatchSampler:
         batches = np.concatenate(pools).reshape(self.batches_per_epoch, global_batch)
         return batches[rng.permutation(self.batches_per_epoch)]
 
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> list[int]:
-        if self.batch >= self.batches_per_epoch:
-            self.epoch += 1
-            self.batch = 0
-            self._batches = None
-        if self._batches is None:
-            self._batches = self.epoch_batches(self.epoch)
-        out = self._batches[self.batch, self.rank::self.world_size]
-        self.batch += 1
-        return out.tolist()
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batch": self.batch}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch = int(state["epoch"])
-        self.batch = int(state["batch"])
-        self._batches = None
+    def _batch(self, b: int) -> list[int]:
+        if self._epoch_cache is None:
+            self._epoch_cache = self.epoch_batches(self.epoch)
+        return self._epoch_cache[b, self.rank::self.world_size].tolist()
