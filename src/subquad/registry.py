@@ -1,16 +1,23 @@
 """The method registry: one entry per attention mechanism, with its capabilities and options.
 
-An op is registered with :func:`register_method`. The decorator returns the *checked* op: it
-validates q/k/v and the mask, refuses combinations the method does not support (causal,
-cross-attention), builds the method's options dataclass (whose ``__post_init__`` validates
-ranges) and calls the raw implementation with ``scale`` resolved. So every public op and
-:func:`subquad.attention` share one path of checks.
+An op is registered with :func:`register_method` (a token mixer with :func:`register_mixer`). The
+entry declares everything about the method: its op and options, its capabilities, the layer core
+:class:`subquad.MultiheadAttention` builds for it, its FLOP formula, the peer package it is compared
+with and the options the generic tests run it under. Things above ``ops`` in the package (layer
+cores, peer adapters) are named by import path (``"package.module:attr"``) and imported only when
+used, so this module imports nothing of subquad but :mod:`subquad.checks`.
+
+The decorator returns the *checked* op: it validates q/k/v and the mask, refuses combinations the
+method does not support (causal, cross-attention), builds the method's options dataclass (whose
+``__post_init__`` validates ranges) and calls the raw implementation with ``scale`` resolved. So
+every public op and :func:`subquad.attention` share one path of checks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -18,7 +25,12 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-__all__ = ["MethodInfo", "register_method", "register_mixer", "get_method", "list_methods", "attention"]
+from .checks import check_qkv, check_scale
+
+__all__ = ["MethodInfo", "register_method", "register_mixer", "get_method", "list_methods", "attention",
+           "resolve_path"]
+
+TestOptions = dict[str, Any] | Callable[[int, torch.dtype], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,18 @@ class MethodInfo:
     op: Callable[..., Tensor] | None = dataclasses.field(repr=False, compare=False)
     kind: str = "attention"
     module: type | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: import path of the :class:`subquad.layers.AttentionCore` subclass the module builds for
+    #: this method (None: the plain core, which calls ``op`` with the module's options)
+    core: str | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: ``flops(B, H, N, M, D, Dv, options) -> int``: matmul FLOPs of one non-causal forward with the
+    #: full options (see :mod:`subquad.bench.flops`); None: counted at run time
+    flops: Callable[..., int] | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: import path of the :class:`subquad.bench.peers.Peer` this method is compared with
+    peer: str | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: options for the generic tests' tiny shapes (a dict, or ``(head_dim, dtype) -> dict``)
+    test_options: TestOptions | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: options under which a stochastic method samples (for the test that seeds matter)
+    sampling_options: dict[str, Any] | None = dataclasses.field(default=None, repr=False, compare=False)
     # the options' field names, read once here: torch.compile cannot trace dataclasses.fields()
     option_names: tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
@@ -78,6 +102,33 @@ class MethodInfo:
 _REGISTRY: dict[str, MethodInfo] = {}
 
 
+def _check_new(name: str, complexity: str, **paths: str | None) -> None:
+    """Refuse a bad name, a taken name, an unknown complexity or a malformed import path."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a method name must be a non-empty str, got {name!r}")
+    if name in _REGISTRY:
+        raise ValueError(f"method {name!r} is already registered")
+    if complexity not in ("linear", "quadratic"):
+        raise ValueError(f"complexity must be 'linear' or 'quadratic', got {complexity!r}")
+    for key, path in paths.items():
+        if path is not None and (not isinstance(path, str) or path.count(":") != 1):
+            raise ValueError(f"method {name!r}: {key} must be an import path 'package.module:attr', got {path!r}")
+
+
+def _add(name: str, complexity: str, **fields: Any) -> MethodInfo:
+    """Build the entry and store it under ``name``."""
+    _check_new(name, complexity, core=fields.get("core"), peer=fields.get("peer"))
+    info = MethodInfo(name=name, complexity=complexity, **fields)
+    _REGISTRY[name] = info
+    return info
+
+
+def unregister(name: str) -> None:
+    """Remove ``name`` from the registry (for tests and notebooks that register a throwaway
+    method); KeyError when it is not registered."""
+    del _REGISTRY[name]
+
+
 def register_method(
     name: str,
     *,
@@ -89,16 +140,19 @@ def register_method(
     stochastic: bool = False,
     learned_parameters: bool = False,
     key_padding: bool = True,
+    core: str | None = None,
+    flops: Callable[..., int] | None = None,
+    peer: str | None = None,
+    test_options: TestOptions | None = None,
+    sampling_options: dict[str, Any] | None = None,
 ) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
     """Decorator: register ``impl(q, k, v, key_padding_mask, causal, scale, **options)``
     under ``name`` and return the checked public op. ``impl`` gets ``scale=None`` when the
-    caller gave none (methods without a logit scale can then refuse an explicit one)."""
-    if complexity not in ("linear", "quadratic"):
-        raise ValueError(f"complexity must be 'linear' or 'quadratic', got {complexity!r}")
+    caller gave none (methods without a logit scale can then refuse an explicit one).
+    The keyword arguments are the fields of :class:`MethodInfo`."""
+    _check_new(name, complexity, core=core, peer=peer)
 
     def decorator(impl: Callable[..., Tensor]) -> Callable[..., Tensor]:
-        from .ops._masks import check_qkv  # here: ops imports this module at registration
-
         info: MethodInfo | None = None  # set below; the wrapper reads it from its closure
 
         def op(
@@ -129,7 +183,7 @@ def register_method(
             if key_padding_mask is not None and not info.key_padding:
                 raise NotImplementedError(f"method {name!r} does not support key_padding_mask")
             if scale is not None:
-                scale = _check_scale(name, scale)
+                scale = check_scale(name, scale)
             if opts.get("generator") is not None and torch.compiler.is_compiling():
                 raise ValueError(
                     f"{name}: torch.compile cannot trace a torch.Generator; under torch.compile pass "
@@ -145,22 +199,11 @@ def register_method(
         op.__code__ = op.__code__.replace(co_name=impl.__name__, co_qualname=impl.__qualname__)
         functools.update_wrapper(op, impl)
         del op.__wrapped__  # the internal signature is not the public one
-        if name in _REGISTRY:
-            raise ValueError(f"method {name!r} is already registered")
-        info = MethodInfo(
-            name=name,
-            summary=summary,
-            causal=causal,
-            key_padding=key_padding,
-            cross_attention=cross_attention,
-            complexity=complexity,
-            stochastic=stochastic,
-            learned_parameters=learned_parameters,
-            options=options,
-            op=op,
-        )
         op.__signature__ = _public_signature(name, options)
-        _REGISTRY[name] = info
+        info = _add(name, complexity, summary=summary, causal=causal, key_padding=key_padding,
+                    cross_attention=cross_attention, stochastic=stochastic,
+                    learned_parameters=learned_parameters, options=options, op=op, core=core, flops=flops,
+                    peer=peer, test_options=test_options, sampling_options=sampling_options)
         return op
 
     return decorator
@@ -188,15 +231,6 @@ def _public_signature(name: str, options: type) -> inspect.Signature:
     return inspect.Signature(params, return_annotation="Tensor")
 
 
-def _check_scale(name: str, scale: Any) -> float:
-    """``scale`` as a float; ValueError unless it is a positive, finite real number. (Finite as
-    ``scale - scale == 0``, not ``math.isfinite``: torch.compile turns a scale that changes
-    between calls into a symbolic float, which it can compare but not pass to ``math``.)"""
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (scale > 0 and scale - scale == 0):
-        raise ValueError(f"{name}: scale must be a positive finite number, got {scale!r}")
-    return scale if isinstance(scale, float) else float(scale)
-
-
 def register_mixer(
     name: str,
     *,
@@ -208,33 +242,26 @@ def register_mixer(
     key_padding: bool = True,
     stochastic: bool = False,
     learned_parameters: bool = True,
+    peer: str | None = None,
+    test_options: TestOptions | None = None,
 ) -> None:
     """Register a token mixer that is not a q/k/v op: ``module(embed_dim, num_heads, **options)``
     must build an ``nn.Module`` whose ``forward(x, key_padding_mask=None)`` maps ``(B, N, C)``
     to ``(B, N, C)``. Mixers are self-only (no cross-attention)."""
-    if name in _REGISTRY:
-        raise ValueError(f"method {name!r} is already registered")
-    if complexity not in ("linear", "quadratic"):
-        raise ValueError(f"complexity must be 'linear' or 'quadratic', got {complexity!r}")
-    _REGISTRY[name] = MethodInfo(
-        name=name,
-        summary=summary,
-        causal=causal,
-        key_padding=key_padding,
-        cross_attention=False,
-        complexity=complexity,
-        stochastic=stochastic,
-        learned_parameters=learned_parameters,
-        options=options,
-        op=None,
-        kind="mixer",
-        module=module,
-    )
+    _add(name, complexity, summary=summary, causal=causal, key_padding=key_padding, cross_attention=False,
+         stochastic=stochastic, learned_parameters=learned_parameters, options=options, op=None,
+         kind="mixer", module=module, peer=peer, test_options=test_options)
+
+
+def resolve_path(path: str) -> Any:
+    """The object an import path ``"package.module:attr"`` names (a registry entry's ``core`` or
+    ``peer``), importing its module now."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def get_method(name: str) -> MethodInfo:
     """The registry entry for ``name``; ValueError listing the known methods otherwise."""
-    _ensure_loaded()
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(f"unknown method {name!r}; known methods are {sorted(_REGISTRY)}")
     return _REGISTRY[name]
@@ -242,7 +269,6 @@ def get_method(name: str) -> MethodInfo:
 
 def list_methods() -> list[MethodInfo]:
     """Every registered method with its capabilities, in registration order."""
-    _ensure_loaded()
     return list(_REGISTRY.values())
 
 
@@ -280,6 +306,3 @@ def attention(
         q, k, v, key_padding_mask=key_padding_mask, causal=causal, scale=scale, **options
     )
 
-
-def _ensure_loaded() -> None:
-    from . import ops  # noqa: F401  (importing ops registers the built-in methods)

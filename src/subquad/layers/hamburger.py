@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops._masks import compute_precision
-from ..ops._options import check_bool, check_choice, check_float, check_int
+from ..checks import check_bool, check_choice, check_float, check_int
 from ..ops.decomposition import GRAD_MODES, factorize, random_bases
 from ..registry import register_mixer
 from .attention import _as_padding_mask

@@ -1,4 +1,4 @@
-"""Input validation and mask helpers shared by every op.
+"""Mask and dtype helpers shared by every op (input checks are in :mod:`subquad.checks`).
 
 Conventions (DESIGN.md): tensors are ``(B, H, N, D)``; ``key_padding_mask`` is a bool
 ``(B, M)`` tensor in which **True marks padding**; masked logits get a large finite negative
@@ -13,7 +13,6 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "check_qkv",
     "compute_dtype",
     "compute_precision",
     "masked_fill_value",
@@ -26,75 +25,6 @@ def masked_fill_value(dtype: torch.dtype) -> float:
     """A large finite negative logit for ``dtype``: exp() of it is 0, and it never overflows
     when a logit of ordinary size is added to it."""
     return torch.finfo(dtype).min / 2
-
-
-def check_qkv(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    key_padding_mask: Tensor | None,
-    *,
-    name: str,
-    cross_attention: bool = True,
-) -> None:
-    """Validate shapes, dtypes and devices; raise ``TypeError``/``ValueError`` naming the
-    argument, what was given and what is allowed."""
-    for arg, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-        if t.ndim != 4:
-            raise ValueError(
-                f"{name}: {arg} must have 4 dimensions (B, H, L, D), got shape {tuple(t.shape)}"
-            )
-        if not t.is_floating_point():
-            raise TypeError(f"{name}: {arg} must be a floating-point tensor, got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"{name}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(
-            f"{name}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}"
-        )
-    B, H, N, D = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(
-            f"{name}: batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}"
-        )
-    if k.shape[1] != H or v.shape[1] != H:
-        raise ValueError(f"{name}: head counts differ: q {H}, k {k.shape[1]}, v {v.shape[1]}")
-    if k.shape[3] != D:
-        raise ValueError(f"{name}: q and k must share the head dim, got {D} and {k.shape[3]}")
-    M = k.shape[2]
-    if v.shape[2] != M:
-        raise ValueError(f"{name}: k and v must have the same length, got {M} and {v.shape[2]}")
-    if N == 0 or M == 0:
-        raise ValueError(f"{name}: sequence lengths must be at least 1, got N={N}, M={M}")
-    if D == 0 or v.shape[3] == 0:
-        raise ValueError(
-            f"{name}: head dims must be at least 1, got D={D} (q, k) and Dv={v.shape[3]} (v)"
-        )
-    if not cross_attention and N != M:
-        raise ValueError(
-            f"{name}: supports self-attention only (query and key lengths equal), got N={N}, M={M}"
-        )
-    if key_padding_mask is not None:
-        if not isinstance(key_padding_mask, Tensor):
-            raise TypeError(
-                f"{name}: key_padding_mask must be a bool tensor, got {type(key_padding_mask).__name__}"
-            )
-        if key_padding_mask.dtype != torch.bool:
-            raise TypeError(
-                f"{name}: key_padding_mask must have dtype torch.bool (True = padding), "
-                f"got {key_padding_mask.dtype}"
-            )
-        if tuple(key_padding_mask.shape) != (B, M):
-            raise ValueError(
-                f"{name}: key_padding_mask must have shape (B, M) = {(B, M)}, "
-                f"got {tuple(key_padding_mask.shape)}"
-            )
-        if key_padding_mask.device != q.device:
-            raise ValueError(
-                f"{name}: key_padding_mask is on {key_padding_mask.device}, q on {q.device}"
-            )
 
 
 def sdpa_dtype(q: Tensor) -> torch.dtype:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._masks import compute_dtype, compute_precision
-from ._options import check_choice, check_float, check_int
+from ..checks import check_choice, check_float, check_int
 
 __all__ = [
     "DEFAULT_RANK",

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ..registry import register_method
 from ._masks import masked_fill_value, no_key_rows, sdpa_dtype
-from ._options import check_float
+from ..checks import check_float
 
 
 @dataclass

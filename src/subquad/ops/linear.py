@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..registry import register_method
 from ._masks import compute_dtype, compute_precision
-from ._options import check_int
+from ..checks import check_int
 
 __all__ = ["linear_attention", "kernel_attention", "linear_attention_reference"]
 

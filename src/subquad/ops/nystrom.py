@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..registry import register_method
 from ._masks import compute_dtype, compute_precision, masked_fill_value, no_key_rows
-from ._options import check_choice, check_int
+from ..checks import check_choice, check_int
 from .exact import softmax_attention
 
 __all__ = [

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ..registry import register_method
 from ._masks import compute_dtype, compute_precision, masked_fill_value, no_key_rows
-from ._options import check_bool, check_choice, check_float, check_int
+from ..checks import check_bool, check_choice, check_float, check_int
 from .nystrom import segment_means
 
 __all__ = [

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ..registry import register_method
 from ._masks import compute_dtype, compute_precision, masked_fill_value
-from ._options import check_bool, check_float, check_int
+from ..checks import check_bool, check_float, check_int
 
 __all__ = [
     "block_layout",
