@@ -9,103 +9,29 @@ the run goes on.
 
 from __future__ import annotations
 
-import platform
-import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch import Tensor
 
 import subquad
 
 from . import flops as flop_counts
-from .fidelity import exact_reference, relative_error
+from .common import Config, Renderer, machine_info, progress_bar, random_inputs, register_renderer
+from .fidelity import relative_error
 from .memory import measure, measure_in_subprocess
 from .recommend import OBJECTIVES, budget_table, recommend
+from .report import leaderboard_text, markdown_compare, write_report
 from .timing import median_time
-from .workload import DTYPES, forward_backward_call, forward_call, full_options, make_qkv, mixer_module
+from .workload import DTYPES, forward_backward_call, forward_call, full_options, mixer_module
 
-__all__ = ["Config", "run", "progress_bar", "machine_info"]
+__all__ = ["Config", "run", "write", "RENDERER", "progress_bar", "machine_info"]
 
 # a forward+backward is assumed to cost this many forwards before one has been measured
 _BACKWARD_FACTOR = 3.0
-
-
-@dataclass
-class Config:
-    """One comparison run (the parsed command line)."""
-
-    ns: list[int] = field(default_factory=lambda: [1024, 4096, 16384])
-    batch: int = 1
-    heads: int = 8
-    dim: int = 64
-    methods: list[str] = field(default_factory=list)
-    options: dict[str, dict[str, Any]] = field(default_factory=dict)
-    device: str = "cpu"
-    dtype: str = "float32"
-    min_run_time: float = 0.3
-    max_call_seconds: float = 20.0
-    memory: bool = True
-    backward: bool = True
-    seed: int = 0
-    max_error: float | None = None
-    objective: str = "forward"
-    source: str = "random"
-    text: str | None = None
-    peers: bool = False
-    out: str | None = None
-    command: str = ""
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine_info(device: torch.device) -> dict[str, Any]:
-    info = {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "python": platform.python_version(), "platform": platform.platform(terse=True),
-            "cpu": _cpu_name()}
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
-
-
-class _Lines:
-    """A stand-in for tqdm when it is not installed: one line per point on stderr."""
-
-    def __init__(self, total: int, desc: str):
-        self.total, self.done, self.desc = total, 0, desc
-
-    def set_postfix_str(self, text: str) -> None:
-        print(f"[{self.done + 1}/{self.total}] {text}", file=sys.stderr, flush=True)
-
-    def update(self, k: int = 1) -> None:
-        self.done += k
-
-    def write(self, text: str) -> None:
-        print(text, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        pass
-
-
-def progress_bar(total: int, desc: str, enabled: bool = True):
-    """A tqdm bar on stderr (the ``bench`` extra), or plain lines without tqdm."""
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return _Lines(total, desc)
-    return tqdm(total=total, desc=desc, unit="point", disable=not enabled, file=sys.stderr,
-                dynamic_ncols=True)
 
 
 def _message(e: BaseException) -> str:
@@ -128,109 +54,170 @@ def _predict(history: dict[int, dict[str, Any]], info, n: int, key: str) -> tupl
     return history[m][key] * _growth(info, n, m), m
 
 
-def _measure_point(info, n: int, q, k, v, reference, config: Config, history, bar) -> dict[str, Any]:
-    """Every measurement of one (method, N) point."""
-    user_options = config.options.get(info.name, {})
-    row: dict[str, Any] = {
+@dataclass
+class _Point:
+    """One (method, N) point while it is measured: its inputs, the method's earlier points, the
+    row being filled in and the progress bar that shows the current stage."""
+
+    info: Any
+    n: int
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    config: Config
+    history: dict[int, dict[str, Any]]
+    bar: Any
+    user_options: dict[str, Any]
+    row: dict[str, Any]
+    module: Any = None  # a token mixer's module, shared by the forward and the backward
+
+    def stage(self, what: str) -> None:
+        self.bar.set_postfix_str(f"N={self.n} {self.info.name}: {what}")
+
+
+def _new_row(info, n: int, user_options: dict[str, Any]) -> dict[str, Any]:
+    return {
         "n": n, "method": info.name, "kind": info.kind, "complexity": info.complexity,
         "stochastic": info.stochastic, "options": user_options, "status": "ok", "errors": {}, "notes": [],
         "forward_s": None, "forward_runs": None, "forward_backward_s": None, "forward_backward_runs": None,
         "forward_bytes": None, "forward_backward_bytes": None, "rel_error": None,
         "flops": None, "flops_source": None,
     }
-    label = f"N={n} {info.name}"
-    cap = config.max_call_seconds
 
-    predicted = _predict(history, info, n, "forward_s")
-    if predicted is not None and predicted[0] > cap:
-        row["status"] = "skipped"
-        row["notes"].append(
-            f"skipped: a forward would take about {predicted[0]:.0f} s ({info.complexity} growth from "
-            f"N={predicted[1]}), over --max-call-seconds {cap:g}")
-        return row
 
-    module = None
+def _skip_slow_forward(p: _Point) -> bool:
+    """Mark the point skipped when its forward is predicted over --max-call-seconds."""
+    cap = p.config.max_call_seconds
+    predicted = _predict(p.history, p.info, p.n, "forward_s")
+    if predicted is None or predicted[0] <= cap:
+        return False
+    p.row["status"] = "skipped"
+    p.row["notes"].append(
+        f"skipped: a forward would take about {predicted[0]:.0f} s ({p.info.complexity} growth from "
+        f"N={predicted[1]}), over --max-call-seconds {cap:g}")
+    return True
+
+
+def _time_forward(p: _Point) -> tuple[Callable[[], Tensor], Tensor, dict[str, Any]] | None:
+    """Time the forward under no_grad; returns the call, its last output and the full options,
+    or None (the point failed) when building or calling the method raised."""
+    config = p.config
     try:
-        options = full_options(info, user_options)
-        if info.kind == "mixer":
-            module = mixer_module(info, config.heads, config.dim, user_options, dtype=q.dtype,
-                                  device=q.device)
-        fwd = forward_call(info, q, k, v, user_options, seed=config.seed, module=module)
+        options = full_options(p.info, p.user_options)
+        if p.info.kind == "mixer":
+            p.module = mixer_module(p.info, config.heads, config.dim, p.user_options, dtype=p.q.dtype,
+                                    device=p.q.device)
+        fwd = forward_call(p.info, p.q, p.k, p.v, p.user_options, seed=config.seed, module=p.module)
         holder: list = [None]
 
         def keep_output():
             holder[0] = fwd()
 
-        bar.set_postfix_str(f"{label}: forward")
+        p.stage("forward")
         with torch.no_grad():
             timing = median_time(keep_output, config.min_run_time)
-        row["forward_s"], row["forward_runs"] = timing.seconds, timing.runs
+        p.row["forward_s"], p.row["forward_runs"] = timing.seconds, timing.runs
     except Exception as e:  # noqa: BLE001 (a failing method is reported, not fatal)
-        row["status"] = "failed"
-        row["errors"]["forward"] = _message(e)
-        return row
+        p.row["status"] = "failed"
+        p.row["errors"]["forward"] = _message(e)
+        return None
+    return fwd, holder[0], options
 
-    if info.kind == "attention":
-        try:
-            row["rel_error"] = relative_error(holder[0], reference)
-        except Exception as e:  # noqa: BLE001
-            row["errors"]["error"] = _message(e)
-    else:
-        row["notes"].append("token mixer on x (B, N, H*D): no error against attention; its time "
-                            "includes its own input and output projections")
-    holder[0] = None
 
+def _record_error(p: _Point, output: Tensor, reference: Tensor) -> None:
+    """The relative error of an attention method's output; a note for a token mixer."""
+    if p.info.kind != "attention":
+        p.row["notes"].append("token mixer on x (B, N, H*D): no error against attention; its time "
+                              "includes its own input and output projections")
+        return
+    try:
+        p.row["rel_error"] = relative_error(output, reference)
+    except Exception as e:  # noqa: BLE001
+        p.row["errors"]["error"] = _message(e)
+
+
+def _record_flops(p: _Point, fwd: Callable[[], Tensor], options: dict[str, Any]) -> None:
+    """The forward's matmul FLOPs: from the method's formula, else counted on one call."""
     formula = None
-    if info.kind == "attention":
-        formula = flop_counts.forward_flops(info.name, q.shape[0], q.shape[1], n, k.shape[2], q.shape[3],
+    if p.info.kind == "attention":
+        q, k, v = p.q, p.k, p.v
+        formula = flop_counts.forward_flops(p.info.name, q.shape[0], q.shape[1], p.n, k.shape[2], q.shape[3],
                                             v.shape[3], options)
     if formula is not None:
-        row["flops"], row["flops_source"] = formula, "formula"
+        p.row["flops"], p.row["flops_source"] = formula, "formula"
+        return
+    try:
+        p.stage("counting FLOPs")
+        with torch.no_grad():
+            p.row["flops"], p.row["flops_source"] = flop_counts.counted_flops(fwd), "counted"
+    except Exception as e:  # noqa: BLE001
+        p.row["errors"]["flops"] = _message(e)
+
+
+def _time_backward(p: _Point) -> bool:
+    """Time forward+backward unless --no-backward or predicted over --max-call-seconds; returns
+    whether it ran (the memory measurement then includes it)."""
+    if not p.config.backward:
+        return False
+    cap = p.config.max_call_seconds
+    predicted = _predict(p.history, p.info, p.n, "forward_backward_s")
+    guess = predicted[0] if predicted else _BACKWARD_FACTOR * p.row["forward_s"]
+    if guess > cap:
+        p.row["status"] = "partial"
+        p.row["notes"].append(f"forward+backward skipped: it would take about {guess:.0f} s, over "
+                              f"--max-call-seconds {cap:g}")
+        return False
+    try:
+        p.stage("forward+backward")
+        step = forward_backward_call(p.info, p.q, p.k, p.v, p.user_options, seed=p.config.seed, module=p.module)
+        timing = median_time(step, p.config.min_run_time)
+        p.row["forward_backward_s"], p.row["forward_backward_runs"] = timing.seconds, timing.runs
+    except Exception as e:  # noqa: BLE001
+        p.row["errors"]["forward_backward"] = _message(e)
+        return False
+    return True
+
+
+def _record_memory(p: _Point, backward: bool) -> None:
+    """Peak memory of the forward (and of forward+backward when ``backward``): in a fresh process
+    on CPU, in this one on GPU."""
+    config, row = p.config, p.row
+    p.stage("peak memory")
+    spec = {"method": p.info.name, "options": p.user_options, "batch": config.batch, "heads": config.heads,
+            "n": p.n, "dim": config.dim, "dtype": config.dtype, "device": config.device,
+            "seed": config.seed, "backward": backward, "threads": torch.get_num_threads()}
+    if p.q.device.type == "cpu":
+        budget = 120 + 10 * (row["forward_s"] + (row["forward_backward_s"] or 0.0))
+        mem = measure_in_subprocess(spec, timeout=budget)
     else:
-        try:
-            bar.set_postfix_str(f"{label}: counting FLOPs")
-            with torch.no_grad():
-                row["flops"], row["flops_source"] = flop_counts.counted_flops(fwd), "counted"
-        except Exception as e:  # noqa: BLE001
-            row["errors"]["flops"] = _message(e)
+        mem = measure(spec)
+    row["forward_bytes"] = mem.get("forward_bytes")
+    row["forward_backward_bytes"] = mem.get("forward_backward_bytes")
+    for stage in ("forward", "backward"):
+        if mem.get(f"{stage}_error"):
+            row["errors"][f"memory_{stage}"] = mem[f"{stage}_error"]
 
-    do_backward = config.backward
-    if do_backward:
-        predicted = _predict(history, info, n, "forward_backward_s")
-        guess = predicted[0] if predicted else _BACKWARD_FACTOR * row["forward_s"]
-        if guess > cap:
-            do_backward = False
-            row["status"] = "partial"
-            row["notes"].append(f"forward+backward skipped: it would take about {guess:.0f} s, over "
-                                f"--max-call-seconds {cap:g}")
-    if do_backward:
-        try:
-            bar.set_postfix_str(f"{label}: forward+backward")
-            step = forward_backward_call(info, q, k, v, user_options, seed=config.seed, module=module)
-            timing = median_time(step, config.min_run_time)
-            row["forward_backward_s"], row["forward_backward_runs"] = timing.seconds, timing.runs
-        except Exception as e:  # noqa: BLE001
-            do_backward = False
-            row["errors"]["forward_backward"] = _message(e)
 
+def _measure_point(info, n: int, q, k, v, reference, config: Config, history, bar) -> dict[str, Any]:
+    """Every measurement of one (method, N) point, in order: forward time (or a skip), error,
+    FLOPs, forward+backward time, peak memory."""
+    user_options = config.options.get(info.name, {})
+    p = _Point(info, n, q, k, v, config, history, bar, user_options, _new_row(info, n, user_options))
+    if _skip_slow_forward(p):
+        return p.row
+    measured = _time_forward(p)
+    if measured is None:
+        return p.row
+    fwd, output, options = measured
+    _record_error(p, output, reference)
+    del measured, output  # the output is not kept through the slower stages
+    _record_flops(p, fwd, options)
+    backward = _time_backward(p)
     if config.memory:
-        bar.set_postfix_str(f"{label}: peak memory")
-        spec = {"method": info.name, "options": user_options, "batch": config.batch, "heads": config.heads,
-                "n": n, "dim": config.dim, "dtype": config.dtype, "device": config.device,
-                "seed": config.seed, "backward": do_backward, "threads": torch.get_num_threads()}
-        if q.device.type == "cpu":
-            budget = 120 + 10 * (row["forward_s"] + (row["forward_backward_s"] or 0.0))
-            mem = measure_in_subprocess(spec, timeout=budget)
-        else:
-            mem = measure(spec)
-        row["forward_bytes"] = mem.get("forward_bytes")
-        row["forward_backward_bytes"] = mem.get("forward_backward_bytes")
-        for stage in ("forward", "backward"):
-            if mem.get(f"{stage}_error"):
-                row["errors"][f"memory_{stage}"] = mem[f"{stage}_error"]
-    if row["errors"]:
-        row["status"] = "partial"
-    return row
+        _record_memory(p, backward)
+    if p.row["errors"]:
+        p.row["status"] = "partial"
+    return p.row
 
 
 def _derived(rows: list[dict[str, Any]], rates: dict[str, float]) -> None:
@@ -248,38 +235,18 @@ def _derived(rows: list[dict[str, Any]], rates: dict[str, float]) -> None:
         r["matmul_fraction"] = r["flops"] / r["forward_s"] / roof if ok and roof else None
 
 
-def run(config: Config, *, show_progress: bool = True) -> dict[str, Any]:
-    """Run the comparison on i.i.d. N(0, 1) inputs; returns the results document."""
-    device = torch.device(config.device)
-    dtype = DTYPES[config.dtype]
-    start = time.time()
-    infos = [subquad.get_method(m) for m in config.methods]
-    notes: list[str] = []
-
+def _matmul_rates(device: torch.device, dtype: torch.dtype, config: Config) -> dict[str, float]:
+    """This machine's matmul rate in float32, and in the run's dtype when that differs."""
     roof_time = 2 * config.min_run_time
     rates = {"float32": flop_counts.matmul_rate(device, torch.float32, min_run_time=roof_time)}
     if dtype != torch.float32:
         rates["run_dtype"] = flop_counts.matmul_rate(device, dtype, min_run_time=roof_time)
+    return rates
 
-    rows: list[dict[str, Any]] = []
-    history: dict[str, dict[int, dict[str, Any]]] = {i.name: {} for i in infos}
-    bar = progress_bar(len(config.ns) * len(infos), "subquad compare", show_progress)
-    try:
-        for n in sorted(config.ns):
-            q, k, v = make_qkv(config.batch, config.heads, n, config.dim, dtype=dtype, device=device,
-                               seed=config.seed + n)
-            bar.set_postfix_str(f"N={n}: exact float64 reference")
-            reference = exact_reference(q, k, v)
-            for info in infos:
-                row = _measure_point(info, n, q, k, v, reference, config, history[info.name], bar)
-                history[info.name][n] = row
-                rows.append(row)
-                bar.update(1)
-            del reference
-    finally:
-        bar.close()
-    _derived(rows, rates)
 
+def _recommendations(rows: list[dict[str, Any]], config: Config) -> tuple[list[dict], list[dict]]:
+    """Per N, the budget table (the Pareto front as ranges of error budgets) and, with
+    --max-error, the recommended method."""
     speedup = "speedup_forward" if config.objective == "forward" else "speedup_forward_backward"
 
     def summary(r):
@@ -295,6 +262,33 @@ def run(config: Config, *, show_progress: bool = True) -> dict[str, Any]:
             best = recommend(rows, n, config.max_error, config.objective)
             recommendations.append({"n": n, "max_error": config.max_error, "objective": config.objective,
                                     **(summary(best) if best else {"method": None})})
+    return budgets, recommendations
+
+
+def run(config: Config, *, show_progress: bool = True) -> dict[str, Any]:
+    """Run the comparison on i.i.d. N(0, 1) inputs; returns the results document."""
+    device = torch.device(config.device)
+    dtype = DTYPES[config.dtype]
+    start = time.time()
+    infos = [subquad.get_method(m) for m in config.methods]
+    notes: list[str] = []
+    rates = _matmul_rates(device, dtype, config)
+
+    rows: list[dict[str, Any]] = []
+    history: dict[str, dict[int, dict[str, Any]]] = {i.name: {} for i in infos}
+    bar = progress_bar(len(config.ns) * len(infos), "subquad compare", show_progress)
+    try:
+        for n, q, k, v, reference in random_inputs(config, dtype, device, bar):
+            for info in infos:
+                row = _measure_point(info, n, q, k, v, reference, config, history[info.name], bar)
+                history[info.name][n] = row
+                rows.append(row)
+                bar.update(1)
+            del reference
+    finally:
+        bar.close()
+    _derived(rows, rates)
+    budgets, recommendations = _recommendations(rows, config)
     return {
         "kind": "compare",
         "config": asdict(config),
@@ -307,9 +301,17 @@ def run(config: Config, *, show_progress: bool = True) -> dict[str, Any]:
     }
 
 
+def _plot(res: dict[str, Any], out: Path) -> list[Path]:
+    from .plots import plot_compare  # matplotlib, only when plotting
+
+    return plot_compare(res, out)
+
+
+#: the console leaderboard, report.md and the plots of a ``"compare"`` document
+RENDERER = register_renderer(Renderer("compare", summary=leaderboard_text, markdown=markdown_compare, plot=_plot))
+
+
 def write(results: dict[str, Any], out: Path | str, *, plots: bool = True,
           log: Callable[[str], None] = print) -> list[Path]:
     """results.json, report.md and the plots under ``out``; returns the files written."""
-    from .report import write_report
-
-    return write_report(results, Path(out), plots=plots, log=log)
+    return write_report(results, Path(out), renderer=RENDERER, plots=plots, log=log)

@@ -23,12 +23,12 @@ import torch
 
 import subquad
 
-from .compare import Config, machine_info, progress_bar
+from .common import Config, Renderer, fmt_error, machine_info, md_table, progress_bar, register_renderer, text_table
 from .fidelity import attention_sharpness, exact_reference, relative_error
 from .workload import DTYPES, forward_call, make_qkv
 
 __all__ = ["missing_packages", "default_text", "load_minilm", "capture_qkv", "run", "summary_text",
-           "markdown_minilm", "plot_minilm"]
+           "markdown_minilm", "plot_minilm", "RENDERER"]
 
 MODEL_NAME = "all-MiniLM-L6-v2"
 MAX_TOKENS = 512
@@ -195,12 +195,6 @@ def run(config: Config, text: str | None = None, *, show_progress: bool = True) 
     }
 
 
-def _fmt(e):
-    from .report import fmt_error
-
-    return fmt_error(e)
-
-
 def _table(res):
     rows = sorted(res["rows"], key=lambda r: (r["real_mean"] is None, r["real_mean"] or 0.0))
     headers = ["method", "error on MiniLM (mean of layers)", "best layer", "worst layer",
@@ -211,8 +205,8 @@ def _table(res):
             body.append([r["method"], f"FAILED: {r['error']}", "-", "-", "-", "-"])
             continue
         ratio = "-" if r["real_over_random"] is None else f"{r['real_over_random']:.2g}x"
-        body.append([r["method"], _fmt(r["real_mean"]), _fmt(min(r["real"])), _fmt(max(r["real"])),
-                     _fmt(r["random_mean"]), ratio])
+        body.append([r["method"], fmt_error(r["real_mean"]), fmt_error(min(r["real"])), fmt_error(max(r["real"])),
+                     fmt_error(r["random_mean"]), ratio])
     return headers, body
 
 
@@ -233,16 +227,12 @@ def _intro(res) -> list[str]:
 
 
 def summary_text(res: dict[str, Any]) -> str:
-    from .report import text_table
-
     headers, body = _table(res)
     return "\n".join([*_intro(res), "", text_table(headers, body),
                       *(f"note: {n}" for n in res["notes"])])
 
 
 def markdown_minilm(res: dict[str, Any], images: list[str]) -> str:
-    from .report import md_table
-
     c = res["config"]
     headers, body = _table(res)
     out = ["# subquad compare --source minilm: fidelity on real attention", "",
@@ -266,7 +256,7 @@ def markdown_minilm(res: dict[str, Any], images: list[str]) -> str:
 def plot_minilm(res: dict[str, Any], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
-    from .plots import log_axis, method_colors
+    from .plots import log_axis, method_colors, save_figure
 
     rows = [r for r in res["rows"] if not r["error"] and r["method"] != "softmax"]
     rows.sort(key=lambda r: r["real_mean"])
@@ -305,8 +295,8 @@ def plot_minilm(res: dict[str, Any], out: Path) -> list[Path]:
         f"{res['model']}, {res['tokens']} tokens, {res['layers']} layers x {res['heads']} heads. "
         f"Real attention is sharper: mean largest weight {s['real']['mean_max_weight']:.2f} (random inputs "
         f"{s['random']['mean_max_weight']:.3f})", fontsize=10)
-    fig.tight_layout()
-    path = out / "minilm_error.png"
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, out / "minilm_error.png")]
+
+
+#: the console summary, report.md and the plot of a ``"minilm"`` document
+RENDERER = register_renderer(Renderer("minilm", summary=summary_text, markdown=markdown_minilm, plot=plot_minilm))

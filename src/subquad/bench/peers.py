@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,23 +30,36 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import subquad
+from subquad import registry
 
-from .compare import Config, machine_info, progress_bar
-from .fidelity import exact_reference, relative_error
+from .common import (Config, Renderer, fmt_error, fmt_ratio, fmt_seconds, machine_info, md_table, progress_bar,
+                     random_inputs, register_renderer, text_table)
+from .fidelity import relative_error
 from .timing import median_time
-from .workload import DTYPES, forward_call, full_options, make_qkv, mixer_module
+from .workload import DTYPES, forward_call, full_options, mixer_module
 
-__all__ = ["PEERS", "Peer", "run", "summary_text", "markdown_peers", "plot_peers"]
+__all__ = ["Peer", "NYSTROM_ATTENTION", "PERFORMER_PYTORCH", "SINKHORN_TRANSFORMER", "HAMBURGER_PYTORCH", "PEERS",
+           "all_peers", "run", "summary_text", "markdown_peers", "plot_peers", "RENDERER"]
 
 
 @dataclass(frozen=True)
 class Peer:
-    """A peer package and the subquad method it is compared with."""
+    """A peer package, the subquad method it is compared with, and the adapter that builds the
+    peer's call on subquad's inputs with subquad's settings.
+
+    For an attention method, ``adapter(q, k, v, options) -> (call, settings)``: ``call()`` runs the
+    peer on q, k, v ``(B, H, N, D)`` and returns ``(B, H, N, Dv)``; ``options`` are the method's full
+    options (defaults filled in); ``settings`` describes them for the report. For a token mixer,
+    ``adapter(x, heads) -> (ours, theirs, settings)``: both sides built on ``x`` ``(B, N, C)``.
+    A registry entry names its peer by import path (``MethodInfo.peer``, e.g.
+    ``"subquad.bench.peers:NYSTROM_ATTENTION"``).
+    """
 
     package: str  # pip name
     module: str  # import name
     method: str  # subquad method
     summary: str
+    adapter: Callable = field(repr=False, compare=False)
 
     def installed(self) -> bool:
         return importlib.util.find_spec(self.module) is not None
@@ -56,14 +69,6 @@ class Peer:
             return importlib.metadata.version(self.package)
         except importlib.metadata.PackageNotFoundError:
             return None
-
-
-PEERS = [
-    Peer("nystrom-attention", "nystrom_attention", "nystrom", "NystromAttention (projections bypassed)"),
-    Peer("performer-pytorch", "performer_pytorch", "performer", "FastAttention"),
-    Peer("sinkhorn-transformer", "sinkhorn_transformer", "sinkhorn", "SinkhornAttention (Sinkhorn mode)"),
-    Peer("hamburger-pytorch", "hamburger_pytorch", "hamburger", "Hamburger (NMF), time only"),
-]
 
 
 class _PreparedQKV(nn.Module):
@@ -133,7 +138,27 @@ def _hamburger_pair(x, heads):
     return (lambda: ours(x)), (lambda: peer(xt)), f"NMF, one group of C={C} channels, rank {rank}, 6 steps"
 
 
-_BUILDERS: dict[str, Callable] = {"nystrom": _nystrom, "performer": _performer, "sinkhorn": _sinkhorn}
+NYSTROM_ATTENTION = Peer("nystrom-attention", "nystrom_attention", "nystrom", "NystromAttention (projections bypassed)",
+                         _nystrom)
+PERFORMER_PYTORCH = Peer("performer-pytorch", "performer_pytorch", "performer", "FastAttention", _performer)
+SINKHORN_TRANSFORMER = Peer("sinkhorn-transformer", "sinkhorn_transformer", "sinkhorn",
+                            "SinkhornAttention (Sinkhorn mode)", _sinkhorn)
+HAMBURGER_PYTORCH = Peer("hamburger-pytorch", "hamburger_pytorch", "hamburger", "Hamburger (NMF), time only",
+                         _hamburger_pair)
+
+#: every peer, in report order: what :func:`all_peers` returns until the registry names them
+PEERS = [NYSTROM_ATTENTION, PERFORMER_PYTORCH, SINKHORN_TRANSFORMER, HAMBURGER_PYTORCH]
+
+
+def all_peers() -> list[Peer]:
+    """The peers of the registered methods (``MethodInfo.peer``, resolved with
+    :func:`subquad.registry.resolve_path`), in registration order. Falls back to :data:`PEERS`
+    while the registry cannot resolve import paths or no registered method names a peer."""
+    resolve = getattr(registry, "resolve_path", None)
+    paths = [m.peer for m in subquad.list_methods() if getattr(m, "peer", None)]
+    if resolve is None or not paths:
+        return list(PEERS)
+    return [resolve(path) for path in paths]
 
 
 def _time(fn, min_run_time):
@@ -149,9 +174,9 @@ def _pair_point(peer: Peer, n: int, q, k, v, reference, config: Config) -> dict[
     user = config.options.get(peer.method, {})
     torch.manual_seed(config.seed)  # the peers draw from torch's global generator
     if info.kind == "mixer":
-        ours, theirs, row["settings"] = _hamburger_pair(_heads_last(q), config.heads)
+        ours, theirs, row["settings"] = peer.adapter(_heads_last(q), config.heads)
     else:
-        theirs, row["settings"] = _BUILDERS[peer.method](q, k, v, full_options(info, user))
+        theirs, row["settings"] = peer.adapter(q, k, v, full_options(info, user))
         ours = forward_call(info, q, k, v, user, seed=config.seed)
         with torch.no_grad():
             row["err_ours"] = relative_error(ours(), reference)
@@ -164,14 +189,12 @@ def _pair_point(peer: Peer, n: int, q, k, v, reference, config: Config) -> dict[
     return row
 
 
-def run(config: Config, *, show_progress: bool = True) -> dict[str, Any]:
-    """Every installed peer against its subquad method at each N of ``config``."""
-    start = time.time()
-    device = torch.device(config.device)
-    dtype = DTYPES[config.dtype]
+def _active_peers(config: Config) -> tuple[list[Peer], list[str]]:
+    """The peers to run (installed, with their method registered and among --methods), and a
+    note for each one left out."""
     registered = {m.name for m in subquad.list_methods()}
     notes, active = [], []
-    for peer in PEERS:
+    for peer in all_peers():
         if not peer.installed():
             notes.append(f"{peer.package} is not installed: skipped (pip install 'subquad[peers]').")
         elif peer.method not in registered:
@@ -180,14 +203,19 @@ def run(config: Config, *, show_progress: bool = True) -> dict[str, Any]:
             notes.append(f"{peer.package}: {peer.method!r} is not among --methods; skipped.")
         else:
             active.append(peer)
+    return active, notes
+
+
+def run(config: Config, *, show_progress: bool = True) -> dict[str, Any]:
+    """Every installed peer against its subquad method at each N of ``config``."""
+    start = time.time()
+    device = torch.device(config.device)
+    dtype = DTYPES[config.dtype]
+    active, notes = _active_peers(config)
     rows = []
     bar = progress_bar(len(config.ns) * len(active), "subquad compare --peers", show_progress)
     try:
-        for n in sorted(config.ns):
-            q, k, v = make_qkv(config.batch, config.heads, n, config.dim, dtype=dtype, device=device,
-                               seed=config.seed + n)
-            bar.set_postfix_str(f"N={n}: exact float64 reference")
-            reference = exact_reference(q, k, v)
+        for n, q, k, v, reference in random_inputs(config, dtype, device, bar):
             with torch.no_grad():
                 exact = forward_call(subquad.get_method("softmax"), q, k, v, {})
                 t_exact = median_time(exact, config.min_run_time)
@@ -215,7 +243,7 @@ def run(config: Config, *, show_progress: bool = True) -> dict[str, Any]:
     }
 
 
-def _table(res, fmt_seconds, fmt_error, fmt_ratio):
+def _table(res):
     headers = ["N", "peer", "vs", "settings", "error: subquad", "error: peer", "ms: subquad", "ms: peer",
                "subquad speed-up", "exact ms"]
     body = []
@@ -232,17 +260,13 @@ def _table(res, fmt_seconds, fmt_error, fmt_ratio):
 
 
 def summary_text(res: dict[str, Any]) -> str:
-    from .report import fmt_error, fmt_ratio, fmt_seconds, text_table
-
-    headers, body = _table(res, fmt_seconds, fmt_error, fmt_ratio)
+    headers, body = _table(res)
     return "\n".join([text_table(headers, body), *(f"note: {n}" for n in res["notes"])])
 
 
 def markdown_peers(res: dict[str, Any], images: list[str]) -> str:
-    from .report import fmt_error, fmt_ratio, fmt_seconds, md_table
-
     c, m = res["config"], res["machine"]
-    headers, body = _table(res, fmt_seconds, fmt_error, fmt_ratio)
+    headers, body = _table(res)
     where = m.get("gpu") or f"{m['cpu']}, {m['threads']} threads"
     out = [
         "# subquad compare --peers: subquad against other implementations", "",
@@ -280,7 +304,7 @@ def markdown_peers(res: dict[str, Any], images: list[str]) -> str:
 def plot_peers(res: dict[str, Any], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
-    from .plots import log_axis
+    from .plots import log_axis, save_figure
 
     rows = [r for r in res["rows"] if not r.get("error")]
     pairs = list(dict.fromkeys((r["peer"], r["method"]) for r in rows))
@@ -325,8 +349,8 @@ def plot_peers(res: dict[str, Any], out: Path) -> list[Path]:
     c = res["config"]
     fig.suptitle(f"subquad vs peer packages (B={c['batch']}, H={c['heads']}, D={c['dim']}, {c['dtype']}, "
                  f"{res['machine']['device']}; same inputs)", fontsize=11)
-    fig.tight_layout()
-    path = out / "peers.png"
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, out / "peers.png")]
+
+
+#: the console table, report.md and the plot of a ``"peers"`` document
+RENDERER = register_renderer(Renderer("peers", summary=summary_text, markdown=markdown_peers, plot=plot_peers))

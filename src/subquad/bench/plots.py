@@ -1,4 +1,5 @@
-"""PNG plots of ``subquad compare`` results (matplotlib, Agg backend: no display needed).
+"""PNG plots of ``subquad compare`` results (matplotlib, Agg backend: no display needed), and the
+helpers the other kinds' plots share (:func:`log_axis`, :func:`method_colors`, :func:`save_figure`).
 
 - ``time_vs_n.png``: forward and forward+backward time against N on log-log axes, exact
   attention in black, with guide slopes for N and N^2.
@@ -18,9 +19,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter, NullLocator  # noqa: E402
 
+from .common import Renderer, renderer_for  # noqa: E402
 from .recommend import pareto_front  # noqa: E402
 
-__all__ = ["plot", "plot_compare", "method_colors", "log_axis"]
+__all__ = ["plot", "plot_compare", "method_colors", "log_axis", "save_figure"]
 
 EXACT = "softmax"
 _DPI = 110
@@ -33,6 +35,14 @@ def method_colors(names: list[str]) -> dict[str, Any]:
     colors = {n: cmap(i % 10) for i, n in enumerate(others)}
     colors[EXACT] = "black"
     return colors
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay out ``fig``, write it to ``path`` (PNG, cropped to its contents) and close it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=_DPI, bbox_inches="tight")
+    plt.close(fig)
+    return path
 
 
 def _plain(x, _pos=None) -> str:
@@ -134,10 +144,7 @@ def _vs_n(res, key_pairs, ylabel, scale, title, path):
         handles, labels = axes[0][1].get_legend_handles_labels()
     fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=_DPI, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _subtitle(res):
@@ -222,10 +229,7 @@ def _error_vs_time(res, path):
     for j in range(len(ns), nrows * cols):
         axes[j // cols][j % cols].axis("off")
     fig.suptitle(f"Error against forward time ({_subtitle(res)}; i.i.d. N(0, 1) inputs)", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=_DPI, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_compare(res: dict[str, Any], out: Path) -> list[Path]:
@@ -242,14 +246,7 @@ def plot_compare(res: dict[str, Any], out: Path) -> list[Path]:
     return paths
 
 
-def plot(res: dict[str, Any], out: Path) -> list[Path]:
-    """The plots for a results document of any kind; returns their paths."""
-    if res["kind"] == "compare":
-        return plot_compare(res, out)
-    if res["kind"] == "minilm":
-        from .minilm import plot_minilm
-
-        return plot_minilm(res, out)
-    from .peers import plot_peers
-
-    return plot_peers(res, out)
+def plot(res: dict[str, Any], out: Path, renderer: Renderer | None = None) -> list[Path]:
+    """The plots of a results document of any kind, by ``renderer`` (default: the one registered
+    for its kind); returns their paths."""
+    return (renderer or renderer_for(res)).plot(res, out)

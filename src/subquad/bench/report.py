@@ -1,7 +1,10 @@
 """Reports of ``subquad compare``: the console leaderboard, report.md and results.json.
 
 One results document per run (``kind``: ``"compare"``, ``"minilm"`` or ``"peers"``); the same
-document makes the console table, the markdown report and the plots.
+document makes the console table, the markdown report and the plots. This module renders the
+``"compare"`` kind and writes the files of any kind through that kind's
+:class:`~subquad.bench.common.Renderer` (each result module has its ``RENDERER``); it imports none
+of the result modules. The number formats and tables live in :mod:`subquad.bench.common`.
 """
 
 from __future__ import annotations
@@ -11,68 +14,11 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["leaderboard_text", "markdown", "write_report", "text_table", "fmt_seconds", "fmt_bytes"]
+from .common import (Renderer, fmt_bytes, fmt_error, fmt_rate, fmt_ratio, fmt_seconds, md_table,
+                     renderer_for, text_table)
 
-
-# ---------------------------------------------------------------------------------------------
-# formatting
-# ---------------------------------------------------------------------------------------------
-
-
-def fmt_seconds(s: float | None) -> str:
-    """Milliseconds with three significant digits."""
-    if s is None:
-        return "-"
-    ms = s * 1e3
-    if ms >= 100:
-        return f"{ms:.0f}"
-    return f"{ms:.3g}" if ms >= 1 else f"{ms:.3f}"
-
-
-def fmt_bytes(b: int | None) -> str:
-    """MiB."""
-    if b is None:
-        return "-"
-    mib = b / 2**20
-    return f"{mib:.0f}" if mib >= 100 else f"{mib:.3g}" if mib >= 0.1 else f"{mib:.2f}"
-
-
-def fmt_ratio(x: float | None) -> str:
-    if x is None:
-        return "-"
-    return f"{x:.1f}x" if x >= 1 else f"{x:.2f}x"
-
-
-def fmt_error(e: float | None) -> str:
-    if e is None:
-        return "-"
-    return f"{e:.1e}" if e < 1e-3 else f"{e:.3f}" if e < 10 else f"{e:.3g}"
-
-
-def fmt_rate(r: dict[str, Any]) -> str:
-    if r.get("gflops") is None:
-        return "-"
-    text = f"{r['gflops']:.3g}"
-    if r.get("matmul_fraction") is not None:
-        text += f" ({100 * r['matmul_fraction']:.0f}%)"
-    return text
-
-
-def text_table(headers: list[str], rows: list[list[str]]) -> str:
-    """Columns aligned with spaces (first column left, others right)."""
-    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
-
-    def line(cells):
-        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in
-                         enumerate(zip(cells, widths)))
-
-    return "\n".join([line(headers), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
-
-
-def md_table(headers: list[str], rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    out += ["| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |" for r in rows]
-    return "\n".join(out)
+__all__ = ["leaderboard_text", "markdown_compare", "markdown", "write_report", "text_table", "md_table",
+           "fmt_seconds", "fmt_bytes", "fmt_ratio", "fmt_error"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,20 +195,13 @@ def markdown_compare(res: dict[str, Any], images: list[str]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# dispatch
+# any kind
 # ---------------------------------------------------------------------------------------------
 
 
-def markdown(res: dict[str, Any], images: list[str]) -> str:
-    if res["kind"] == "compare":
-        return markdown_compare(res, images)
-    if res["kind"] == "minilm":
-        from .minilm import markdown_minilm
-
-        return markdown_minilm(res, images)
-    from .peers import markdown_peers
-
-    return markdown_peers(res, images)
+def markdown(res: dict[str, Any], images: list[str], renderer: Renderer | None = None) -> str:
+    """report.md of a results document, by ``renderer`` (default: the one registered for its kind)."""
+    return (renderer or renderer_for(res)).markdown(res, images)
 
 
 def _json_safe(x):
@@ -277,28 +216,31 @@ def _json_safe(x):
     return str(x)
 
 
-def write_report(res: dict[str, Any], out: Path, *, plots: bool = True,
+def write_report(res: dict[str, Any], out: Path, *, renderer: Renderer | None = None, plots: bool = True,
                  log: Callable[[str], None] = print) -> list[Path]:
     """Write results.json, the PNG plots (when matplotlib is installed) and report.md into
-    ``out``; returns the paths written."""
+    ``out`` with ``renderer`` (default: the one registered for the document's kind); returns the
+    paths written."""
+    renderer = renderer or renderer_for(res)
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     images: list[str] = []
     if plots:
         try:
-            from . import plots as plotting
+            from . import plots as _  # noqa: F401 (matplotlib, with the Agg backend)
         except ImportError:
             res.setdefault("notes", []).append(
                 "No plots: matplotlib is not installed (pip install 'subquad[bench]').")
         else:
-            paths = plotting.plot(res, out)
+            paths = renderer.plot(res, out)
             written += paths
             images = [p.name for p in paths]
     path = out / "results.json"
     path.write_text(json.dumps(_json_safe(res), indent=1) + "\n")
     written.append(path)
     path = out / "report.md"
-    path.write_text(markdown(res, images))
+    path.write_text(renderer.markdown(res, images))
     written.append(path)
     for p in written:
         log(f"wrote {p}")
