@@ -40,9 +40,9 @@ import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-from torch.utils import benchmark  # noqa: E402
 
 import subquad  # noqa: E402
+from subquad.bench.timing import median_time  # noqa: E402
 
 B, H, D = 1, 8, 64
 
@@ -62,11 +62,6 @@ def make_calls(op, n: int, mode: str):
     def fn():
         return torch.autograd.grad(op(q, k, v), (q, k, v), g)
     return fn
-
-
-def median_ms(fn, min_run_time: float) -> float:
-    timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
 
 
 def measure(name: str, n: int, mode: str, args, done: list[dict]) -> dict:
@@ -94,8 +89,8 @@ def measure(name: str, n: int, mode: str, args, done: list[dict]) -> dict:
     compiled()  # warm
     rounds = []
     for _ in range(args.rounds):
-        e = median_ms(eager, args.min_run_time)
-        c = median_ms(compiled, args.min_run_time)
+        e = median_time(eager, args.min_run_time).seconds * 1e3
+        c = median_time(compiled, args.min_run_time).seconds * 1e3
         rounds.append({"eager_ms": e, "compiled_ms": c, "ratio": e / c})
     ratios = [r["ratio"] for r in rounds]
     point.update(

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 import subquad
+from subquad.bench.fidelity import exact_reference, relative_error
 
 FAMILIES = ("gaussian", "clustered", "clustered-local")
 BUDGETS = (16, 32, 64, 128)
@@ -60,10 +61,6 @@ def make_inputs(family: str, n: int, d: int, heads: int, seed: int, clusters: in
     k = c + spread * torch.randn(shape, generator=g, dtype=torch.float64)
     v = torch.randn(shape, generator=g, dtype=torch.float64)
     return q, k, v
-
-
-def rel_err(out: torch.Tensor, exact: torch.Tensor) -> float:
-    return ((out.double() - exact).norm() / exact.norm()).item()
 
 
 def budget_methods(budget: int, seed: int):
@@ -114,14 +111,14 @@ def run(n: int, d: int, heads: int, seeds: list[int], budgets: tuple[int, ...], 
         rms = []
         for seed in seeds:
             q, k, v = make_inputs(family, n, d, heads, seed)
-            exact = subquad.attention(q, k, v)  # float64 SDPA
+            exact = exact_reference(q, k, v)
             rms.append(exact.square().mean().sqrt().item())
             qf, kf, vf = q.float(), k.float(), v.float()
             for budget in budgets:
                 for name, fn in budget_methods(budget, seed):
-                    rows.setdefault(name, {}).setdefault(str(budget), []).append(rel_err(fn(qf, kf, vf), exact))
+                    rows.setdefault(name, {}).setdefault(str(budget), []).append(relative_error(fn(qf, kf, vf), exact))
             for name, fn in fixed_methods(seed):
-                rows.setdefault(name, {}).setdefault("any", []).append(rel_err(fn(qf, kf, vf), exact))
+                rows.setdefault(name, {}).setdefault("any", []).append(relative_error(fn(qf, kf, vf), exact))
         results[family] = {
             name: {b: {"mean": sum(x) / len(x), "std": _std(x), "values": x} for b, x in per.items()}
             for name, per in rows.items()

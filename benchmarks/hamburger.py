@@ -31,27 +31,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils import benchmark
 
 import subquad
+from subquad.bench.fidelity import relative_error
+from subquad.bench.timing import median_time
 from subquad.layers import Hamburger
 from subquad.ops import decomposition as dec
 
 
-def median_seconds(fn, arg, min_run_time):
-    """Median seconds of ``fn(arg)``, the number of timed runs and the 1-minute load average
-    after the measurement."""
-    timer = benchmark.Timer("fn(arg)", globals={"fn": fn, "arg": arg}, num_threads=torch.get_num_threads())
-    m = timer.blocked_autorange(min_run_time=min_run_time)
-    return m.median, len(m.times), os.getloadavg()[0]
-
-
 def median(values):
     return float(torch.tensor(values, dtype=torch.float64).median())
-
-
-def rel_err(x, y):
-    return ((x.double() - y.double()).norm() / x.double().norm()).item()
 
 
 def main(argv=None) -> int:
@@ -113,7 +102,8 @@ def main(argv=None) -> int:
     with torch.no_grad():
         for r in range(args.rounds):
             for group, name, (fn, arg, min_time) in entries:
-                seconds, runs, load = median_seconds(fn, arg, min_time)
+                timing = median_time(lambda: fn(arg), min_time)  # noqa: B023 (called at once)
+                seconds, runs, load = timing.seconds, len(timing.times), os.getloadavg()[0]
                 rounds[group][name].append({"median_s": seconds, "runs": runs, "load_after": load})
                 print(f"round {r}: {group}: {name}: {seconds:.3f} s ({runs} runs, load {load:.1f})", flush=True)
         # reconstruction error after each step on relu(N(0, 1))
@@ -121,7 +111,7 @@ def main(argv=None) -> int:
         x = torch.randn(1, C, N, generator=gen).relu_()
         bases0 = dec.random_bases(1, C, R, distribution="uniform", generator=gen)
         steps = list(range(1, args.error_steps + 1))
-        errors = {"steps": steps, "subquad": [rel_err(x, dec.nmf(x, bases=bases0, steps=s)) for s in steps]}
+        errors = {"steps": steps, "subquad": [relative_error(dec.nmf(x, bases=bases0, steps=s), x) for s in steps]}
         print("subquad errors", errors["subquad"], flush=True)
         if hamburger_pytorch is not None:
             state = peer_nmf.state_dict()
@@ -129,7 +119,7 @@ def main(argv=None) -> int:
             for s in steps:
                 stepped = hamburger_pytorch.hamburger_pytorch.NMF(C, N, ratio=C // R, K=s)
                 stepped.load_state_dict(state)
-                peer_errors.append(rel_err(x, stepped(x)))
+                peer_errors.append(relative_error(stepped(x), x))
             errors["hamburger-pytorch"] = peer_errors
             print("peer errors", peer_errors, flush=True)
 

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.utils.benchmark as benchmark
 
 import subquad
+from subquad.bench.fidelity import exact_reference, relative_error
+from subquad.bench.timing import median_time
 
 
 class _Fixed(nn.Module):
@@ -49,16 +50,6 @@ def inputs(kind: str, n: int, heads: int, dim: int, gen: torch.Generator) -> tor
 def split(qkv, heads, dim):
     q, k, v = qkv.chunk(3, dim=-1)
     return [t.unflatten(-1, (heads, dim)).transpose(1, 2) for t in (q, k, v)]
-
-
-def exact_float64(q, k, v, block=1024):
-    """Exact attention in float64, a block of queries at a time (bounded memory)."""
-    q, k, v = q.double(), k.double(), v.double()
-    return torch.cat([subquad.attention(q[:, :, s : s + block], k, v) for s in range(0, q.shape[2], block)], 2)
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref).norm() / ref.norm()).item()
 
 
 def main(argv=None) -> int:
@@ -94,18 +85,17 @@ def main(argv=None) -> int:
     with torch.no_grad():
         for kind in ("iid", "smooth"):
             qkv = inputs(kind, n, H, D, gen)
-            ref = exact_float64(*split(qkv, H, D)).transpose(1, 2).flatten(2)
+            ref = exact_reference(*split(qkv, H, D)).transpose(1, 2).flatten(2)
             row = {"inputs": kind,
-                   "err_ours": rel_err(ours(qkv), ref),
-                   "err_ours_global_init": rel_err(ours(qkv, "global"), ref),
-                   "err_peer": rel_err(theirs(qkv), ref)}
+                   "err_ours": relative_error(ours(qkv), ref),
+                   "err_ours_global_init": relative_error(ours(qkv, "global"), ref),
+                   "err_peer": relative_error(theirs(qkv), ref)}
             rows.append(row)
             print(row)
         qkv = inputs("iid", n, H, D, gen)
         t = {}
         for name, fn in (("ours", ours), ("peer", theirs)):
-            timer = benchmark.Timer("fn(qkv)", globals={"fn": fn, "qkv": qkv}, num_threads=torch.get_num_threads())
-            t[name] = timer.blocked_autorange(min_run_time=args.min_run_time).median
+            t[name] = median_time(lambda: fn(qkv), args.min_run_time).seconds  # noqa: B023 (called at once)
             print(name, t[name])
     speedup = t["peer"] / t["ours"]
     cmd = "python benchmarks/nystrom_peer.py " + " ".join(argv if argv is not None else sys.argv[1:])

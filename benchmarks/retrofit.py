@@ -22,6 +22,7 @@ import torch
 
 import subquad.hf as H
 from subquad.bench.minilm import load_minilm
+from subquad.bench.timing import median_time
 from subquad.hf import texts as T
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,12 +98,6 @@ def quality(args) -> dict:
             "held_out_long": len(long_held), "cache_seconds": cache_s, "rows": rows}
 
 
-def _time(fn, min_run_time=1.0):
-    from torch.utils import benchmark
-
-    return benchmark.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
-
-
 def speed(args) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -112,13 +107,13 @@ def speed(args) -> dict:
     assert enc["input_ids"].shape[1] == 512
     enc_rows = []
     with torch.no_grad():
-        base = _time(lambda: model(**enc))
+        base = median_time(lambda: model(**enc), 1.0, num_threads=1).seconds
         enc_rows.append({"method": "sdpa (exact)", "seconds": base, "ratio": 1.0})
         for method, options in [("hedgehog", {"window": 64, "sinks": 1}), ("hedgehog", {}),
                                 ("nystrom", {"num_landmarks": 64}), ("performer", {"num_features": 256}),
                                 ("linear", {})]:
             H.retrofit(model, method, **options)
-            t = _time(lambda: model(**enc))
+            t = median_time(lambda: model(**enc), 1.0, num_threads=1).seconds
             enc_rows.append({"method": _label(method, options), "seconds": t, "ratio": base / t})
             H.unretrofit(model)
     torch.manual_seed(0)
@@ -129,12 +124,12 @@ def speed(args) -> dict:
     with torch.no_grad():
         for n in args.decoder_lengths:
             ids = torch.randint(0, 1000, (1, n))
-            base = _time(lambda ids=ids: dec.model(input_ids=ids), 0.5)
+            base = median_time(lambda ids=ids: dec.model(input_ids=ids), 0.5, num_threads=1).seconds
             dec_rows.append({"n": n, "method": "sdpa (exact, causal)", "seconds": base, "ratio": 1.0})
             for method, options in [("hedgehog", {}), ("hedgehog", {"window": 64}), ("linear", {}),
                                     ("performer", {"num_features": 128})]:
                 H.retrofit(dec, method, **options)
-                t = _time(lambda ids=ids: dec.model(input_ids=ids), 0.5)
+                t = median_time(lambda ids=ids: dec.model(input_ids=ids), 0.5, num_threads=1).seconds
                 dec_rows.append({"n": n, "method": _label(method, options), "seconds": t, "ratio": base / t})
                 H.unretrofit(dec)
             print(json.dumps(dec_rows[-5:]), flush=True)

@@ -36,9 +36,9 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.utils import benchmark
 
 import subquad
+from subquad.bench.timing import median_time
 
 DIM, HEADS, BLOCK, ITERS, TAU = 512, 8, 64, 7, 0.75
 
@@ -46,14 +46,6 @@ DIM, HEADS, BLOCK, ITERS, TAU = 512, 8, 64, 7, 0.75
 def sinkhorn_module(**extra):
     return subquad.MultiheadAttention(DIM, HEADS, method="sinkhorn", batch_first=True, block_size=BLOCK,
                                       sinkhorn_iters=ITERS, tau=TAU, **extra)
-
-
-def timing(fn, min_run_time):
-    """One ``blocked_autorange`` of ``fn()``: its block times (seconds) and the load average around it."""
-    load_before = os.getloadavg()[0]
-    timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    m = timer.blocked_autorange(min_run_time=min_run_time)
-    return list(m.times), load_before, os.getloadavg()[0]
 
 
 def speed(n, min_run_time, min_run_time_softmax, rounds):
@@ -85,7 +77,9 @@ def speed(n, min_run_time, min_run_time_softmax, rounds):
         for r in range(rounds):
             for name, fn in calls.items():
                 budget = min_run_time_softmax if "softmax" in name else min_run_time
-                t, before, after = timing(fn, budget)
+                before = os.getloadavg()[0]
+                t = median_time(fn, budget).times  # seconds per call of each block
+                after = os.getloadavg()[0]
                 times[name] += t
                 loads[name] += [before, after]
                 print(f"  round {r}: {name:36s} {statistics.median(t) * 1e3:9.1f} ms  ({len(t)} runs, "
