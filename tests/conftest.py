@@ -2,15 +2,14 @@
 
 The generic tests (``tests/test_generic.py``, ``tests/test_errors.py``) sweep every attention
 method in the registry, so a method is tested the day it is registered. They call it with
-:func:`method_options`, which makes stochastic methods deterministic and applies the small
-per-method overrides of :data:`GENERIC_OPTIONS` (add an entry there only when a method's
-defaults do not suit the tiny test shapes).
+:func:`method_options`, which makes stochastic methods deterministic and applies the method's
+``test_options`` (in its registry entry, next to its op: set them only when a method's defaults
+do not suit the tiny test shapes).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,30 +22,6 @@ import subquad
 # SUBQUAD_TEST_THREADS overrides it.
 torch.set_num_threads(int(os.environ.get("SUBQUAD_TEST_THREADS", "1")))
 
-# Per-method option overrides for the generic tests. A value is a dict of options, or a callable
-# ``(head_dim, dtype) -> dict`` for options that depend on them (a fixed projection, say).
-GENERIC_OPTIONS: dict[str, dict[str, Any] | Callable[[int, torch.dtype], dict[str, Any]]] = {
-    # few landmarks, so the Nystrom path (not the exact fallback for m >= N) runs at N >= 5
-    "nystrom": {"num_landmarks": 4},
-    # a modest feature count; small chunks so causal tests cross several chunk boundaries
-    "performer": {"num_features": 64, "chunk_size": 4},
-    "linear": {"chunk_size": 4},
-    # small blocks, so the tiny test lengths hold several blocks and the sorting runs
-    "sinkhorn": {"block_size": 4},
-}
-
-# Options under which a stochastic method actually samples, for the test that a different
-# generator seed gives a different output. LARA samples only in training mode (in eval it
-# uses omega = mu, deterministic by design).
-SAMPLING_OPTIONS: dict[str, dict[str, Any]] = {
-    "lara": {"training": True},
-    "sinkhorn": {"training": True},  # Gumbel noise
-}
-
-# Overrides for the long-sequence test (N = 131072). Empty by default: that test runs each
-# method with its defaults; add an entry only for an option needed to keep a method linear.
-LONG_OPTIONS: dict[str, dict[str, Any]] = {}
-
 ATTENTION_METHODS = [m.name for m in subquad.list_methods() if m.kind == "attention"]
 CAUSAL_METHODS = [name for name in ATTENTION_METHODS if subquad.get_method(name).causal]
 NON_CAUSAL_METHODS = [name for name in ATTENTION_METHODS if not subquad.get_method(name).causal]
@@ -57,32 +32,48 @@ STOCHASTIC_METHODS = [name for name in ATTENTION_METHODS if subquad.get_method(n
 LINEAR_METHODS = [name for name in ATTENTION_METHODS if subquad.get_method(name).complexity == "linear"]
 
 
+def generic_options(name: str, head_dim: int = 8, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The ``test_options`` of ``name``'s registry entry (a dict, or a callable of the head dim and
+    dtype), as a fresh dict; no generator."""
+    extra = subquad.get_method(name).test_options or {}
+    return dict(extra(head_dim, dtype) if callable(extra) else extra)
+
+
+def sampling_options(name: str) -> dict[str, Any]:
+    """The ``sampling_options`` of ``name``'s registry entry: the options under which a method
+    that samples only in some mode (LARA's and Sinkhorn's training mode) draws randomness."""
+    return dict(subquad.get_method(name).sampling_options or {})
+
+
 def method_options(name: str, head_dim: int, dtype: torch.dtype, *, seed: int = 0) -> dict[str, Any]:
     """Options that make ``name`` deterministic at the generic tests' shapes.
 
     Stochastic methods get ``generator=torch.Generator().manual_seed(seed)``, a fresh one per
-    call, so two calls with the same seed give identical outputs. Overrides from
-    :data:`GENERIC_OPTIONS` are applied on top.
+    call, so two calls with the same seed give identical outputs. The entry's ``test_options``
+    (:func:`generic_options`) are applied on top.
     """
-    info = subquad.get_method(name)
     opts: dict[str, Any] = {}
-    if info.stochastic:
+    if subquad.get_method(name).stochastic:
         opts["generator"] = torch.Generator().manual_seed(seed)
-    extra = GENERIC_OPTIONS.get(name, {})
-    if callable(extra):
-        extra = extra(head_dim, dtype)
-    opts.update(extra)
+    opts.update(generic_options(name, head_dim, dtype))
     return opts
 
 
 def long_options(name: str) -> dict[str, Any]:
-    """Options for the long-sequence test: defaults, a seeded generator for stochastic methods,
-    and the entries of :data:`LONG_OPTIONS`."""
-    opts: dict[str, Any] = {}
+    """Options for the long-sequence test (N = 131072): each method's defaults, plus a seeded
+    generator for stochastic methods."""
     if subquad.get_method(name).stochastic:
-        opts["generator"] = torch.Generator().manual_seed(0)
-    opts.update(LONG_OPTIONS.get(name, {}))
-    return opts
+        return {"generator": torch.Generator().manual_seed(0)}
+    return {}
+
+
+def right_padding(batch: int, length: int, pads) -> torch.Tensor:
+    """Bool ``(batch, length)`` key padding mask, True on the last ``pads[i]`` positions of row i."""
+    mask = torch.zeros(batch, length, dtype=torch.bool)
+    for i, p in enumerate(pads):
+        if p:
+            mask[i, length - p :] = True
+    return mask
 
 
 def qkv(

@@ -15,7 +15,7 @@ import torch
 import torch._dynamo
 
 import subquad
-from conftest import ATTENTION_METHODS, GENERIC_OPTIONS, SAMPLING_OPTIONS, qkv
+from conftest import ATTENTION_METHODS, generic_options, qkv, sampling_options
 
 BACKEND = "aot_eager"
 MASK_KINDS = ["none", "padding", "causal-padding"]
@@ -32,8 +32,7 @@ def _fresh_dynamo():
 def _options(name: str) -> dict:
     """The generic test options (small landmark counts, blocks, ...) without a generator:
     dynamo cannot trace a torch.Generator, so under compile methods draw from the global RNG."""
-    extra = GENERIC_OPTIONS.get(name, {})
-    return dict(extra(8, torch.float32) if callable(extra) else extra)
+    return generic_options(name)
 
 
 def _masks(name: str, kind: str, batch: int, n: int):
@@ -61,7 +60,7 @@ def _seeded(fn, *args, **kwargs):
 def test_op_fullgraph_matches_eager(method, kind):
     """The op compiles with fullgraph=True for every mask kind, in the sampling mode of the
     methods that sample only in some mode; output and gradients match eager."""
-    opts = {**_options(method), **SAMPLING_OPTIONS.get(method, {})}
+    opts = {**_options(method), **sampling_options(method)}
     mask, causal = _masks(method, kind, 2, 12)
     q, k, v = qkv(2, 2, 12, 8, dv=6, dtype=torch.float32, requires_grad=True)
     cotangent = torch.randn(2, 2, 12, 6, generator=torch.Generator().manual_seed(3))

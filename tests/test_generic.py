@@ -14,14 +14,14 @@ import subquad
 from conftest import (
     ATTENTION_METHODS,
     CAUSAL_METHODS,
-    GENERIC_OPTIONS,
     LINEAR_METHODS,
-    SAMPLING_OPTIONS,
     STOCHASTIC_METHODS,
+    generic_options,
     long_options,
     method_options,
     qkv,
     run_method,
+    sampling_options,
 )
 
 # Extra options for gradcheck only. Performer's feature stabilisers (the per-query and per-key
@@ -175,6 +175,15 @@ def test_mask_refused_without_key_padding_support(method):
 # --------------------------------------------------------------------------- causality
 
 
+def _causal_test_mask(n: int) -> torch.Tensor:
+    """Bool (2, n), True = padding: scattered padded keys in row 0, leading ones in row 1 (whose
+    first queries then see no real key)."""
+    mask = torch.zeros(2, n, dtype=torch.bool)
+    mask[0, [2, 3, 9]] = True
+    mask[1, :2] = True
+    return mask
+
+
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
 def test_causal_no_future_leak_outputs(method, masked):
     """For every t: new content at positions > t leaves outputs 0..t bit-for-bit unchanged
@@ -182,11 +191,7 @@ def test_causal_no_future_leak_outputs(method, masked):
     _skip_unless(method, causal=True, padding=masked)
     n = 13
     q, k, v = qkv(2, 2, n, 8, dv=6)
-    mask = None
-    if masked:
-        mask = torch.zeros(2, n, dtype=torch.bool)
-        mask[0, [2, 3, 9]] = True
-        mask[1, :2] = True
+    mask = _causal_test_mask(n) if masked else None
     out = run_method(method, q, k, v, key_padding_mask=mask, causal=True)
     for t in range(n):
         future = torch.arange(n) > t
@@ -201,11 +206,7 @@ def test_causal_no_future_leak_gradients(method, masked):
     _skip_unless(method, causal=True, padding=masked)
     n = 13
     q, k, v = qkv(2, 2, n, 8, dv=6, requires_grad=True)
-    mask = None
-    if masked:
-        mask = torch.zeros(2, n, dtype=torch.bool)
-        mask[0, [2, 3, 9]] = True
-        mask[1, :2] = True
+    mask = _causal_test_mask(n) if masked else None
     out = run_method(method, q, k, v, key_padding_mask=mask, causal=True)
     cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=out.dtype)
     for t in range(n):
@@ -324,8 +325,7 @@ def test_module_autocast(method, dtype):
 
 def _module_options(method: str) -> dict:
     """The generic op options that a module takes too (no generator: modules draw their own)."""
-    extra = GENERIC_OPTIONS.get(method, {})
-    return dict(extra(8, torch.float32) if callable(extra) else extra)
+    return generic_options(method)
 
 
 @pytest.mark.parametrize("m", [7, 9], ids=["self", "cross"])
@@ -382,10 +382,10 @@ def test_repeatable(method):
 @pytest.mark.parametrize("name", STOCHASTIC_METHODS)
 def test_stochastic_generator(name):
     """A stochastic method takes ``generator``: same seed, same output; another seed, another
-    output (under :data:`conftest.SAMPLING_OPTIONS`, for methods that sample only in some mode)."""
+    output (under the entry's ``sampling_options``, for methods that sample only in some mode)."""
     assert "generator" in _info(name).option_defaults()
     q, k, v = qkv(2, 2, 11, 8)
-    extra = SAMPLING_OPTIONS.get(name, {})
+    extra = sampling_options(name)
     a = run_method(name, q, k, v, seed=0, **extra)
     b = run_method(name, q, k, v, seed=0, **extra)
     c = run_method(name, q, k, v, seed=1, **extra)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from subquad.bench.fidelity import attention_sharpness, exact_reference, relative_error
-from subquad.ops.exact import softmax_attention_reference
+from subquad.ops.softmax.naive import softmax_attention_reference
 
 
 @pytest.mark.parametrize("block_bytes", [1 << 28, 8 * 2 * 3 * 40 * 7])  # one block; blocks of 7 query rows

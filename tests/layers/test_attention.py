@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import subquad
+from conftest import right_padding
 from subquad.ops.performer import performer_attention
 
 ATTENTION_METHODS = [m.name for m in subquad.list_methods() if m.kind == "attention"]
@@ -44,15 +45,6 @@ def torch_and_subquad(embed_dim=16, num_heads=4, *, seed=0, **kwargs):
     return ref, ours
 
 
-def padding(batch, length, pads):
-    """Bool ``(batch, length)``, True on the last ``pads[i]`` positions of row i."""
-    mask = torch.zeros(batch, length, dtype=torch.bool)
-    for i, p in enumerate(pads):
-        if p:
-            mask[i, length - p :] = True
-    return mask
-
-
 def encoder_layer(method, seed=0, **options):
     """``TransformerEncoderLayer(d_model=32, nhead=4, batch_first=True)`` whose ``self_attn`` is a
     subquad module with ``method``; the same seed gives the same weights for every method."""
@@ -76,7 +68,7 @@ def layer_by_hand(layer, x, pad):
 
 
 X = seeded(2, 12, 32, seed=1)
-PAD = padding(2, 12, [0, 4])
+PAD = right_padding(2, 12, [0, 4])
 
 
 # torch.nn.MultiheadAttention equivalence ----------------------------------------------------------------
@@ -89,7 +81,7 @@ def test_softmax_matches_torch(batch_first, mask_kind):
     x = seeded(3, 9, 16, dtype=F64) if batch_first else seeded(9, 3, 16, dtype=F64)
     mask = None
     if mask_kind is not None:
-        mask = padding(3, 9, [0, 3, 8])
+        mask = right_padding(3, 9, [0, 3, 8])
         if mask_kind == "float":
             mask = torch.zeros(3, 9, dtype=F64).masked_fill(mask, float("-inf"))
     expected, _ = ref(x, x, x, key_padding_mask=mask, need_weights=False)
@@ -114,7 +106,7 @@ def test_softmax_attention_weights_match_torch(average, batch_first):
     x = seeded(2, 7, 16, dtype=F64)
     if not batch_first:
         x = x.transpose(0, 1)
-    mask = padding(2, 7, [2, 0])
+    mask = right_padding(2, 7, [2, 0])
     expected, expected_w = ref(x, x, x, key_padding_mask=mask, need_weights=True, average_attn_weights=average)
     out, w = ours(x, x, x, key_padding_mask=mask, need_weights=True, average_attn_weights=average)
     assert w.shape == ((2, 7, 7) if average else (2, 4, 7, 7))
@@ -126,7 +118,7 @@ def test_kdim_vdim_cross_attention_matches_torch():
     ref, ours = torch_and_subquad(kdim=10, vdim=6, batch_first=True)
     assert {"q_proj_weight", "k_proj_weight", "v_proj_weight"} <= set(ours.state_dict())
     q, k, v = seeded(2, 5, 16, dtype=F64), seeded(2, 11, 10, seed=1, dtype=F64), seeded(2, 11, 6, seed=2, dtype=F64)
-    mask = padding(2, 11, [4, 0])
+    mask = right_padding(2, 11, [4, 0])
     for need_weights in (False, True):
         expected = ref(q, k, v, key_padding_mask=mask, need_weights=need_weights)
         out = ours(q, k, v, key_padding_mask=mask, need_weights=need_weights)
@@ -162,7 +154,7 @@ def test_causal_attn_mask_matches_torch_and_is_causal(mask_dtype):
     x = seeded(2, 8, 16, dtype=F64)
     future = torch.ones(8, 8, dtype=torch.bool).triu(1)
     attn_mask = future if mask_dtype == torch.bool else torch.zeros(8, 8, dtype=F64).masked_fill(future, float("-inf"))
-    pad = padding(2, 8, [0, 3])
+    pad = right_padding(2, 8, [0, 3])
     if mask_dtype != torch.bool:  # torch wants both masks of one kind
         pad = torch.zeros(2, 8, dtype=F64).masked_fill(pad, float("-inf"))
     expected, _ = ref(x, x, x, attn_mask=attn_mask, key_padding_mask=pad)
@@ -254,7 +246,7 @@ def test_nested_tensor_input_is_padded_input(method):
     out, weights = attn(nested, nested, nested)
     assert out.is_nested and weights is None
     padded = torch.stack([seqs[0], torch.cat([seqs[1], torch.zeros(4, 32)])])
-    expected = attn(padded, padded, padded, key_padding_mask=padding(2, 12, [0, 4]), need_weights=False)[0]
+    expected = attn(padded, padded, padded, key_padding_mask=right_padding(2, 12, [0, 4]), need_weights=False)[0]
     for got, want, n in zip(out.unbind(), expected, (12, 8)):
         assert got.shape == (n, 32)
         torch.testing.assert_close(got, want[:n], rtol=1e-5, atol=1e-5)

@@ -9,8 +9,9 @@ import torch
 
 import subquad
 from subquad.layers.sinkhorn import SinkhornCore, SortNet
-from subquad.ops.exact import softmax_attention
-from subquad.ops.sinkhorn import lra_sinkhorn_attention_reference, sinkhorn_attention
+from subquad.ops.sinkhorn import sinkhorn_attention
+from subquad.ops.sinkhorn.naive import lra_sinkhorn_attention_reference
+from subquad.ops.softmax import softmax_attention
 
 F64 = torch.float64
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import qkv
-from subquad.ops.efficient import efficient_attention, efficient_attention_reference
+from subquad.ops.efficient import efficient_attention
+from subquad.ops.efficient.naive import efficient_attention_reference
 
 
 def make_qkv(b=2, h=2, n=13, m=None, d=6, dv=None, seed=0):

@@ -9,7 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from conftest import qkv
-from subquad.ops.linear import linear_attention, linear_attention_reference
+from subquad.ops.linear import linear_attention
+from subquad.ops.linear.naive import linear_attention_reference
 
 
 def make_qkv(b=2, h=2, n=37, m=None, d=6, dv=None, seed=0):

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from conftest import qkv
-from subquad.ops.exact import softmax_attention_reference
 from subquad.ops.nystrom import (
     iterative_pinv,
     nystrom_attention,
-    nystrom_attention_reference,
     segment_lengths,
     segment_means,
 )
+from subquad.ops.nystrom.naive import nystrom_attention_reference
+from subquad.ops.softmax.naive import softmax_attention_reference
 
 
 def make_qkv(b=2, h=2, n=37, m=None, d=6, dv=None, seed=0):

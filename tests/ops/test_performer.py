@@ -11,13 +11,13 @@ import torch
 
 import subquad.ops.performer as performer_module
 from conftest import qkv
-from subquad.ops.exact import softmax_attention_reference
 from subquad.ops.performer import (
     performer_attention,
-    performer_attention_reference,
     performer_features,
     random_projection,
 )
+from subquad.ops.performer.naive import performer_attention_reference
+from subquad.ops.softmax.naive import softmax_attention_reference
 
 
 def make_qkv(b=2, h=2, n=29, m=None, d=8, dv=None, seed=0, norm=1.0):

@@ -12,13 +12,9 @@ import torch
 
 import subquad.ops.sinkhorn as sinkhorn_ops
 from conftest import qkv
-from subquad.ops.exact import softmax_attention_reference
-from subquad.ops.sinkhorn import (
-    gumbel_noise,
-    log_sinkhorn,
-    sinkhorn_attention,
-    sinkhorn_attention_reference,
-)
+from subquad.ops.sinkhorn import gumbel_noise, log_sinkhorn, sinkhorn_attention
+from subquad.ops.sinkhorn.naive import sinkhorn_attention_reference
+from subquad.ops.softmax.naive import softmax_attention_reference
 
 
 def make_qkv(b=2, h=2, n=11, d=4, dv=None, seed=0, dtype=torch.float64, requires_grad=False):

@@ -1,4 +1,6 @@
-"""``nn.Module`` layers that own parameters and call the ops."""
+"""``nn.Module`` layers that own parameters and call the ops: :class:`MultiheadAttention` and
+the base :class:`AttentionCore` in ``attention.py``, one file per method whose module owns state
+(its core, named by the method's registry entry), and the Hamburger mixer."""
 
 from .attention import (
     AttentionCore,
@@ -6,16 +8,12 @@ from .attention import (
     MHAShapeError,
     MHAShapeRuntimeError,
     MultiheadAttention,
-    register_core,
 )
-from . import lara  # noqa: F401  (registers the LARA core and its landmark networks)
-from . import sinkhorn  # noqa: F401  (registers the Sinkhorn core and its sort networks)
 from .hamburger import Hamburger, HamburgerMixer
 
 __all__ = [
     "MultiheadAttention",
     "AttentionCore",
-    "register_core",
     "MHAShapeError",
     "MHAShapeRuntimeError",
     "MHADtypeError",

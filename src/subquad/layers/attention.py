@@ -2,15 +2,16 @@
 
 The module owns the q/k/v/out projections (same parameter names as torch, so a trained
 ``nn.MultiheadAttention`` state dict loads into it) and an *attention core*: a small module
-per method that calls the op and owns what the method itself needs (Performer's fixed
-features for eval, Nyström's depthwise conv skip, Sinkhorn's sort and LARA's landmark networks in
-their own files). The module itself reproduces torch's argument handling (masks, unbatched and
-nested inputs, ``add_bias_kv`` / ``add_zero_attn``, weights, errors); see its docstring.
+per method that calls the op and owns what the method itself needs (softmax's torch-style masks,
+Performer's fixed features for eval, Nyström's depthwise conv skip, Sinkhorn's sort and LARA's
+landmark networks). Each core is in its method's file beside this one (``layers/<method>.py``),
+named by the method's registry entry (``core``); a method without one gets the plain
+:class:`AttentionCore`. The module itself reproduces torch's argument handling (masks, unbatched
+and nested inputs, ``add_bias_kv`` / ``add_zero_attn``, weights, errors); see its docstring.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any
 
@@ -19,17 +20,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..ops._masks import masked_fill_value, sdpa_dtype
-from ..ops.performer import random_projection
-from ..registry import MethodInfo, get_method
+from ..checks import check_int
+from ..registry import MethodInfo, get_method, resolve_path
 
-__all__ = ["MultiheadAttention", "AttentionCore", "register_core", "MHAShapeError", "MHADtypeError",
-           "MHAShapeRuntimeError"]
+__all__ = ["MultiheadAttention", "AttentionCore", "MHAShapeError", "MHADtypeError", "MHAShapeRuntimeError"]
 
 
 class AttentionCore(nn.Module):
     """Calls the method's op on ``(B, H, L, hd)`` tensors with the options fixed at
-    construction. Subclasses registered with :func:`register_core` add state.
+    construction. A method that needs state has a subclass in its own file (``layers/<method>.py``),
+    named by the ``core`` import path of its registry entry.
 
     ``module_options`` names the constructor options that belong to the core rather than to
     the op (they are not passed to the op).
@@ -65,170 +65,6 @@ class AttentionCore(nn.Module):
     def extra_repr(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
         return f"method={self.method.name!r}" + (f", {opts}" if opts else "")
-
-
-_CORES: dict[str, type[AttentionCore]] = {}
-
-
-def register_core(name: str):
-    """Class decorator: use this :class:`AttentionCore` subclass for method ``name``."""
-
-    def decorator(cls):
-        _CORES[name] = cls
-        return cls
-
-    return decorator
-
-
-@register_core("softmax")
-class SoftmaxCore(AttentionCore):
-    """Exact attention; the module's ``dropout`` is dropout on the attention weights."""
-
-    def op_options(self):
-        return {**self.options, "dropout_p": self.dropout if self.training else 0.0}
-
-    def forward_masked(self, q: Tensor, k: Tensor, v: Tensor, extra_k: Tensor | None, extra_v: Tensor | None,
-                       key_padding_mask: Tensor | None, attn_mask: Tensor | None, causal: bool,
-                       need_weights: bool) -> tuple[Tensor, Tensor | None]:
-        """Exact attention with torch's masks: q ``(B, H, L, hd)``, k, v ``(B, H, S, hd)``, extra
-        keys/values ``(B, H, e, hd)`` appended and seen by every query, ``key_padding_mask``
-        ``(B, S)`` and ``attn_mask`` ``(1 or B, 1 or H, L, S)``, bool (True = masked) or float
-        (added). ``causal`` applies when there is no ``attn_mask`` (torch's ``is_causal`` is a hint
-        about it). Returns ``(out (B, H, L, hd), weights (B, H, L, S + e) or None)``; weights are
-        after dropout, as torch returns them. A query with every key masked outputs zeros."""
-        L, S = q.shape[2], k.shape[2]
-        if extra_k is not None:
-            k, v = torch.cat([k, extra_k], 2), torch.cat([v, extra_v], 2)
-        e = k.shape[2] - S
-        blocked = bias = None
-        masks = []
-        # plain causal attention goes to SDPA as is_causal, as torch sends it
-        sdpa_causal = causal and attn_mask is None and key_padding_mask is None and not e and not need_weights
-        if attn_mask is not None:
-            masks.append(attn_mask)
-        elif causal and not sdpa_causal:
-            masks.append(torch.ones(L, S, dtype=torch.bool, device=q.device).triu_(1)[None, None])
-        if key_padding_mask is not None:
-            masks.append(key_padding_mask[:, None, None, :])
-        for mask in masks:
-            bl, bi = _blocked_and_bias(mask)
-            if e:
-                bl = F.pad(bl, (0, e))
-                bi = None if bi is None else F.pad(bi, (0, e))
-            blocked = bl if blocked is None else blocked | bl
-            if bi is not None:
-                bias = bi if bias is None else bias + bi
-        dtype = sdpa_dtype(q)  # a float attn_mask must be in the dtype SDPA computes in
-        p = self.dropout if self.training else 0.0
-        empty = None if blocked is None else blocked.all(-1, keepdim=True)
-        if need_weights:
-            logits = (q * math.sqrt(1.0 / self.head_dim)) @ k.transpose(-2, -1)
-            if bias is not None:
-                logits = logits + bias.to(logits.dtype)
-            if blocked is not None:
-                logits = logits.masked_fill(blocked, masked_fill_value(logits.dtype))
-            w = torch.softmax(logits, dim=-1)
-            if empty is not None:
-                w = w.masked_fill(empty, 0.0)
-            if p > 0:
-                w = F.dropout(w, p)
-            return w @ v, w
-        attn = None
-        if bias is not None or blocked is not None:
-            attn = torch.zeros((), dtype=dtype, device=q.device) if bias is None else bias.to(dtype)
-            if blocked is not None:
-                attn = attn.masked_fill(blocked, masked_fill_value(dtype))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn, dropout_p=p,
-                                             is_causal=sdpa_causal, scale=self.head_dim ** -0.5)
-        if empty is not None:
-            out = out.masked_fill(empty, 0.0)
-        return out, None
-
-
-@register_core("ra")
-class RaCore(AttentionCore):
-    """Randomized attention (Zheng et al. 2022): the op's ``estimator`` (default ``"sample"``, the
-    unbiased stochastic one) while the module trains; in eval always
-    ``estimator="mixture_mean"`` (f at the mean of the proposal mixture, no noise: biased, and a
-    subquad choice rather than the paper's), so ``.eval()`` is deterministic."""
-
-    def op_options(self):
-        if self.training:
-            return dict(self.options)
-        return {**self.options, "estimator": "mixture_mean"}
-
-
-@register_core("performer")
-class PerformerCore(AttentionCore):
-    """Performer with a fixed projection buffer for eval (deterministic) and, while training
-    with ``redraw_features=True`` (default), a fresh projection at every forward."""
-
-    module_options = ("redraw_features",)
-
-    def __init__(self, method, num_heads, head_dim, options, *, dropout=0.0, device=None, dtype=None):
-        options = dict(options)
-        self.redraw_features = options.pop("redraw_features", True)
-        if not isinstance(self.redraw_features, bool):
-            raise TypeError(f"performer: redraw_features must be a bool, got {self.redraw_features!r}")
-        if "features" in options:
-            raise ValueError("performer: MultiheadAttention owns its features; do not pass 'features'")
-        super().__init__(method, num_heads, head_dim, options)
-        o = method.make_options(**options)
-        w = random_projection(o.num_features, head_dim, orthogonal=o.orthogonal, generator=o.generator)
-        self.register_buffer("features", w.to(device=device, dtype=torch.float32))
-
-    @torch.no_grad()
-    def redraw(self, generator: torch.Generator | None = None) -> None:
-        """Draw a new fixed projection (the one used in eval)."""
-        o = self.method.make_options(**self.options)
-        w = random_projection(o.num_features, self.head_dim, orthogonal=o.orthogonal, generator=generator)
-        self.features.copy_(w)
-
-    def reset_parameters(self) -> None:
-        """Redraw the fixed projection (from the ``generator`` option if one was given); this is
-        what initialises the buffer after ``to_empty()`` of a meta-device module."""
-        self.redraw(self.method.make_options(**self.options).generator)
-
-    def op_options(self):
-        if self.training and self.redraw_features:
-            return dict(self.options)
-        return {**self.options, "features": self.features}
-
-
-@register_core("nystrom")
-class NystromCore(AttentionCore):
-    """Nyström attention plus the optional depthwise conv skip on V (``conv_kernel_size``,
-    odd, default off): one length-k kernel per head along the sequence, shared across the
-    head's features (``Conv2d(H, H, (k, 1), groups=H)``), added to the attention output.
-    Padded values are zeroed before the conv."""
-
-    module_options = ("conv_kernel_size",)
-
-    def __init__(self, method, num_heads, head_dim, options, *, dropout=0.0, device=None, dtype=None):
-        options = dict(options)
-        ks = options.pop("conv_kernel_size", None)
-        super().__init__(method, num_heads, head_dim, options)
-        self.conv = None
-        if ks is not None:
-            if isinstance(ks, bool) or not isinstance(ks, int) or ks < 1 or ks % 2 == 0:
-                raise ValueError(f"nystrom: conv_kernel_size must be an odd positive int or None, got {ks!r}")
-            self.conv = nn.Conv2d(num_heads, num_heads, (ks, 1), padding=(ks // 2, 0), groups=num_heads,
-                                  bias=False, device=device, dtype=dtype)
-
-    def forward(self, q, k, v, key_padding_mask, causal, extra_keys=0):
-        out = super().forward(q, k, v, key_padding_mask, causal)
-        if self.conv is not None:
-            m = v.shape[2] - extra_keys  # the conv runs over the input's values, not the extras
-            if q.shape[2] != m:
-                raise ValueError("nystrom: the conv skip needs equal query and key lengths")
-            v = v[:, :, :m]
-            if key_padding_mask is not None:
-                v = v.masked_fill(key_padding_mask[:, None, :m, None], 0.0)
-            out = out + self.conv(v)
-        return out
-
-    def extra_repr(self):
-        return super().extra_repr() + (f", conv_kernel_size={self.conv.kernel_size[0]}" if self.conv else "")
 
 
 class MHAShapeError(ValueError, AssertionError):
@@ -306,7 +142,7 @@ class MultiheadAttention(nn.Module):
     ``add_zero_attn`` append one learned / one zero key and value, visible to every query (when
     causal, and for self-attention-only methods, approximate methods get them as leading tokens
     with placeholder queries, so that causality holds for the input's tokens). In eval every
-    method is deterministic (``ra`` then uses ``estimator="mixture_mean"``, see :class:`RaCore`).
+    method is deterministic (``ra`` then uses ``estimator="mixture_mean"``, see :class:`subquad.layers.ra.RaCore`).
 
     ``forward(query, key, value, key_padding_mask=None, need_weights=None, attn_mask=None,
     average_attn_weights=True, is_causal=False)`` takes ``(L, N, E)`` (``(N, L, E)`` with
@@ -342,10 +178,7 @@ class MultiheadAttention(nn.Module):
         for name, d in (("embed_dim", embed_dim), ("num_heads", num_heads), ("kdim", kdim), ("vdim", vdim)):
             if d is None and name in ("kdim", "vdim"):
                 continue
-            if isinstance(d, bool) or not isinstance(d, int):  # torch: TypeError from torch.empty
-                raise TypeError(f"{name} must be a positive int, got {d!r}")
-            if d <= 0:
-                raise ValueError(f"{name} must be a positive int, got {d!r}")
+            check_int("MultiheadAttention", name, d, minimum=1)  # TypeError for a non-int, as torch
         if embed_dim % num_heads:
             raise MHAShapeError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         if not 0.0 <= dropout < 1.0:
@@ -393,7 +226,7 @@ class MultiheadAttention(nn.Module):
         else:
             self.bias_k = self.bias_v = None
         self._reset_parameters()  # torch's order of draws: the same seed gives torch's weights
-        core_cls = _CORES.get(method, AttentionCore)
+        core_cls = AttentionCore if info.core is None else resolve_path(info.core)
         self.core = core_cls(info, num_heads, self.head_dim, options, dropout=dropout, **factory)
         self._warned_weights = False
 

@@ -36,11 +36,6 @@ HAMS = ("nmf", "vq", "cd")
 VERSIONS = ("v1", "v2", "light")
 
 
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
 class MatrixDecomposition(nn.Module):
     """The ham: a matrix decomposition of ``x (B, C, N)`` in ``groups`` groups of ``C / groups``
     channels, ``x[b, group s] ~ bases @ coef^T`` with ``rank`` bases per sample and group.
@@ -69,7 +64,7 @@ class MatrixDecomposition(nn.Module):
                  inv_t: float | None = None, beta: float = 0.1, rand_init: bool = True, eta: float = 0.9,
                  update_dictionary: bool = True, generator: torch.Generator | None = None, device=None):
         super().__init__()
-        _check_positive_int("channels", channels)
+        check_int("Hamburger", "channels", channels, minimum=1)
         check_choice("Hamburger", "ham", ham, HAMS)
         check_int("Hamburger", "groups", groups, minimum=1)
         if channels % groups:
@@ -204,9 +199,9 @@ class Hamburger(nn.Module):
                  eta: float = 0.9, update_dictionary: bool = True, norm_groups: int | None = None,
                  device=None, dtype=None):
         super().__init__()
-        _check_positive_int("channels", channels)
+        check_int("Hamburger", "channels", channels, minimum=1)
         ham_channels = channels if ham_channels is None else ham_channels
-        _check_positive_int("ham_channels", ham_channels)
+        check_int("Hamburger", "ham_channels", ham_channels, minimum=1)
         check_choice("Hamburger", "version", version, VERSIONS)
         factory = {"device": device, "dtype": dtype}
         self.channels = channels
@@ -233,7 +228,7 @@ class Hamburger(nn.Module):
             else:
                 if norm_groups is None:
                     norm_groups = math.gcd(32, channels)
-                _check_positive_int("norm_groups", norm_groups)
+                check_int("Hamburger", "norm_groups", norm_groups, minimum=1)
                 if channels % norm_groups:
                     raise ValueError(f"norm_groups ({norm_groups}) must divide channels ({channels})")
                 self.norm = nn.GroupNorm(norm_groups, channels, **factory)
@@ -330,8 +325,8 @@ class HamburgerMixer(nn.Module):
                  train_steps: int = 6, eval_steps: int = 7, grad: str = "one_step", inv_t: float | None = None,
                  beta: float = 0.1, rand_init: bool = True, eta: float = 0.9, device=None, dtype=None):
         super().__init__()
-        _check_positive_int("embed_dim", embed_dim)
-        _check_positive_int("num_heads", num_heads)
+        check_int("hamburger", "embed_dim", embed_dim, minimum=1)
+        check_int("hamburger", "num_heads", num_heads, minimum=1)
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         options = HamburgerOptions(ham=ham, rank=rank, train_steps=train_steps, eval_steps=eval_steps,
@@ -388,4 +383,5 @@ register_mixer(
     key_padding=True,
     stochastic=True,
     learned_parameters=True,
+    peer="subquad.bench.peers:HAMBURGER_PYTORCH",
 )

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..ops.nystrom import segment_means
-from .attention import AttentionCore, register_core
+from .attention import AttentionCore
 
 __all__ = ["AdaptiveLandmarks1d", "PooledLandmarks2d", "LaraCore", "PROPOSALS"]
 
@@ -142,7 +142,6 @@ def square_grid(n: int) -> tuple[int, int]:
     return g, g
 
 
-@register_core("lara")
 class LaraCore(AttentionCore):
     """LARA inside ``MultiheadAttention``: owns the landmark network chosen by ``proposal``
     (see the module docstring) and runs the op in training mode (``w = mu + noise``) while the

@@ -15,7 +15,7 @@ this module owns what is learned. Core options (besides the op's ``block_size``,
 - ``lra_compat``: compute what the Long Range Arena reference code computes instead of the
   paper's method (strided blocks, a row-softmax sort network whose output does not reach the
   result, summed-block contraction, separate softmaxes); see
-  :func:`subquad.ops.sinkhorn.lra_sinkhorn_attention`. For comparisons with published LRA
+  :func:`subquad.ops.sinkhorn.lra.lra_sinkhorn_attention`. For comparisons with published LRA
   numbers only; encoder only.
 
 In training mode the core adds Gumbel noise to the sorting logits (Gumbel-Sinkhorn); in eval
@@ -29,18 +29,12 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..checks import check_int
 from ..ops._masks import compute_dtype, compute_precision
-from ..ops.exact import softmax_attention
-from ..ops.sinkhorn import (
-    _pad_to,
-    block_layout,
-    block_means,
-    block_prefix_means,
-    lra_sinkhorn_attention,
-    padded_keep,
-    strided_block_sums,
-)
-from .attention import AttentionCore, register_core
+from ..ops.sinkhorn.blocks import _pad_to, block_layout, block_means, block_prefix_means, padded_keep
+from ..ops.sinkhorn.lra import lra_sinkhorn_attention, strided_block_sums
+from ..ops.softmax import softmax_attention
+from .attention import AttentionCore
 
 __all__ = ["LRASortNet", "SinkhornCore", "SortNet"]
 
@@ -126,7 +120,6 @@ class LRASortNet(nn.Module):
 _OP_ONLY = ("sinkhorn_iters", "tau", "top_blocks", "sortcut_blocks")
 
 
-@register_core("sinkhorn")
 class SinkhornCore(AttentionCore):
     """Sparse Sinkhorn attention with its sort network (see the module docstring)."""
 
@@ -150,11 +143,9 @@ class SinkhornCore(AttentionCore):
                 raise TypeError(f"sinkhorn: {name} must be a bool, got {value!r}")
         if sort_net not in ("attention", "mlp"):
             raise ValueError(f"sinkhorn: sort_net must be 'attention' or 'mlp', got {sort_net!r}")
-        if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks < 1:
-            raise ValueError(f"sinkhorn: max_blocks must be a positive int, got {max_blocks!r}")
-        if sort_hidden is not None and (isinstance(sort_hidden, bool) or not isinstance(sort_hidden, int)
-                                        or sort_hidden < 1):
-            raise ValueError(f"sinkhorn: sort_hidden must be a positive int or None, got {sort_hidden!r}")
+        check_int("sinkhorn", "max_blocks", max_blocks, minimum=1)
+        if sort_hidden is not None:
+            check_int("sinkhorn", "sort_hidden", sort_hidden, minimum=1)
         if self.lra_compat:
             given = sorted(set(options) & set(_OP_ONLY)) + (["sort_net"] if sort_net != "attention" else [])
             if given:

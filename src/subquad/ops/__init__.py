@@ -1,15 +1,22 @@
-"""Stateless attention ops, one file per mechanism. Importing this package registers them.
+"""Stateless attention ops, one folder per method. Importing this package registers them.
 
 Every op has the signature ``op(q, k, v, *, key_padding_mask=None, causal=False, scale=None,
 **options)`` on ``(B, H, N, D)`` tensors; see :func:`subquad.attention`.
+
+A method is one folder ``ops/<method>/``: its ``__init__.py`` holds the options dataclass, the
+op registered with :func:`subquad.register_method` (which names its layer core, FLOP formula,
+peer and test options) and the fast path; ``naive.py``, where there is one, the slow and obvious
+reference its tests compare against (never imported by the library). One line below registers
+it, in the order :func:`subquad.list_methods` reports.
 """
 
-from .exact import softmax_attention
+from .softmax import softmax_attention
 from .linear import linear_attention
 from .efficient import efficient_attention
 from .performer import performer_attention, random_projection
 from .nystrom import nystrom_attention
-from .randomized import lara_attention, ra_attention
+from .ra import ra_attention
+from .lara import lara_attention
 from .sinkhorn import sinkhorn_attention
 from .decomposition import cd, factorize, nmf, vq
 

@@ -17,6 +17,7 @@ __all__ = [
     "compute_precision",
     "masked_fill_value",
     "no_key_rows",
+    "padding_bias",
     "sdpa_dtype",
 ]
 
@@ -65,3 +66,12 @@ def no_key_rows(
     else:
         rows = key_padding_mask.all(-1, keepdim=True).expand(-1, n_queries)
     return rows[:, None, :, None]
+
+
+def padding_bias(key_padding_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """Additive ``(B, 1, 1, M)`` logit bias from a bool ``(B, M)`` mask: a large finite negative
+    value where the mask is True, 0 elsewhere. None without a mask."""
+    if key_padding_mask is None:
+        return None
+    bias = torch.zeros(key_padding_mask.shape, dtype=dtype, device=key_padding_mask.device)
+    return bias.masked_fill_(key_padding_mask, masked_fill_value(dtype))[:, None, None, :]

@@ -22,7 +22,7 @@ All iterations run in float32 under autocast (float64 stays float64). ``key_padd
 (bool ``(B*S, N)``, True = padding) zeroes the padded columns and removes them from every sum
 over positions, so they cannot influence real columns; their output columns are 0.
 
-Slow per-matrix references (``*_reference``) written from the paper's formulas are for tests.
+Slow per-matrix references written from the paper's formulas are in :mod:`.naive`, for tests.
 """
 
 from __future__ import annotations
@@ -33,21 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._masks import compute_dtype, compute_precision
-from ..checks import check_choice, check_float, check_int
+from ...checks import check_choice, check_float, check_int
+from .._masks import compute_dtype, compute_precision
 
-__all__ = [
-    "DEFAULT_RANK",
-    "GRAD_MODES",
-    "cd",
-    "cd_reference",
-    "factorize",
-    "nmf",
-    "nmf_reference",
-    "random_bases",
-    "vq",
-    "vq_reference",
-]
+__all__ = ["DEFAULT_RANK", "GRAD_MODES", "cd", "factorize", "nmf", "random_bases", "vq"]
 
 GRAD_MODES = ("one_step", "bptt")
 DEFAULT_RANK = 64
@@ -281,19 +270,9 @@ def _reconstruct(x, factors, return_factors):
     return (out, b, coef) if return_factors else out
 
 
-def nmf(
-    x: Tensor,
-    rank: int | None = None,
-    *,
-    steps: int = 6,
-    grad: str = "one_step",
-    bases: Tensor | None = None,
-    generator: torch.Generator | None = None,
-    key_padding_mask: Tensor | None = None,
-    inv_t: float = 1.0,
-    eps: float = 1e-6,
-    return_factors: bool = False,
-):
+def nmf(x: Tensor, rank: int | None = None, *, steps: int = 6, grad: str = "one_step", bases: Tensor | None = None,
+        generator: torch.Generator | None = None, key_padding_mask: Tensor | None = None, inv_t: float = 1.0,
+        eps: float = 1e-6, return_factors: bool = False):
     """Non-negative matrix factorisation by Lee-Seung multiplicative updates.
 
     Args:
@@ -317,19 +296,9 @@ def nmf(
     return _reconstruct(x, factors, return_factors)
 
 
-def vq(
-    x: Tensor,
-    rank: int | None = None,
-    *,
-    steps: int = 6,
-    grad: str = "one_step",
-    bases: Tensor | None = None,
-    generator: torch.Generator | None = None,
-    key_padding_mask: Tensor | None = None,
-    inv_t: float = 100.0,
-    eps: float = 1e-6,
-    return_factors: bool = False,
-):
+def vq(x: Tensor, rank: int | None = None, *, steps: int = 6, grad: str = "one_step", bases: Tensor | None = None,
+       generator: torch.Generator | None = None, key_padding_mask: Tensor | None = None, inv_t: float = 100.0,
+       eps: float = 1e-6, return_factors: bool = False):
     """Soft vector quantisation (soft k-means with cosine similarity).
 
     Each local step assigns every column to the R codewords with
@@ -344,20 +313,9 @@ def vq(
     return _reconstruct(x, factors, return_factors)
 
 
-def cd(
-    x: Tensor,
-    rank: int | None = None,
-    *,
-    steps: int = 6,
-    grad: str = "one_step",
-    bases: Tensor | None = None,
-    generator: torch.Generator | None = None,
-    key_padding_mask: Tensor | None = None,
-    inv_t: float = 100.0,
-    beta: float = 0.1,
-    eps: float = 1e-6,
-    return_factors: bool = False,
-):
+def cd(x: Tensor, rank: int | None = None, *, steps: int = 6, grad: str = "one_step", bases: Tensor | None = None,
+       generator: torch.Generator | None = None, key_padding_mask: Tensor | None = None, inv_t: float = 100.0,
+       beta: float = 0.1, eps: float = 1e-6, return_factors: bool = False):
     """Concept decomposition (spherical k-means bases, ridge-regression coefficients).
 
     Local steps: soft assignment ``softmax(inv_t * cos(x, b))`` to the unit-norm bases,
@@ -370,65 +328,3 @@ def cd(
                         key_padding_mask=key_padding_mask, inv_t=inv_t, beta=beta, eps=eps)
     return _reconstruct(x, factors, return_factors)
 
-
-# --------------------------------------------------------------------------------------------
-# references: one matrix at a time, in the paper's orientation (C is R x N)
-
-
-def nmf_reference(x: Tensor, bases: Tensor, steps: int, *, inv_t: float = 1.0, eps: float = 1e-6):
-    """Slow NMF on ``x (BS, D, N)`` from ``bases (BS, D, R)``. Returns the output
-    ``(BS, D, N)`` and the factors after the local steps (before the final coef step):
-    bases ``(BS, D, R)`` and coef ``(BS, N, R)``."""
-    outs, all_bases, all_coefs = [], [], []
-    for xm, dm in zip(x, bases):
-        cm = torch.softmax(inv_t * (dm.T @ xm), dim=0)  # (R, N), columns sum to 1
-        for _ in range(steps):
-            cm = cm * (dm.T @ xm) / (dm.T @ dm @ cm + eps)
-            dm = dm * (xm @ cm.T) / (dm @ (cm @ cm.T) + eps)
-        all_bases.append(dm)
-        all_coefs.append(cm.T)
-        cm = cm * (dm.T @ xm) / (dm.T @ dm @ cm + eps)
-        outs.append(dm @ cm)
-    return torch.stack(outs), torch.stack(all_bases), torch.stack(all_coefs)
-
-
-def _unit_columns(a: Tensor, eps: float) -> Tensor:
-    return a / a.norm(dim=0).clamp_min(eps)
-
-
-def vq_reference(x: Tensor, bases: Tensor, steps: int, *, inv_t: float = 100.0, eps: float = 1e-6):
-    """Slow soft VQ (paper: ``C = softmax(cos(D, X) / T)``, ``D = X C^T diag(C 1)^{-1}``).
-    Returns as :func:`nmf_reference` (coef is the last local step's, column-normalised)."""
-    outs, all_bases, all_coefs = [], [], []
-    for xm, dm in zip(x, bases):
-        cm = None
-        for _ in range(steps):
-            cm = torch.softmax(inv_t * _unit_columns(dm, 1e-6).T @ _unit_columns(xm, 1e-12), dim=0)
-            cm = cm / (eps + cm.sum(dim=1, keepdim=True))
-            dm = xm @ cm.T
-        all_bases.append(dm)
-        all_coefs.append(None if cm is None else cm.T)
-        xu = xm / (eps + xm.norm(dim=0))
-        outs.append(dm @ torch.softmax(inv_t * (_unit_columns(dm, 1e-6).T @ xu), dim=0))
-    coefs = None if steps == 0 else torch.stack(all_coefs)
-    return torch.stack(outs), torch.stack(all_bases), coefs
-
-
-def cd_reference(x: Tensor, bases: Tensor, steps: int, *, inv_t: float = 100.0, beta: float = 0.1,
-                 eps: float = 1e-6):
-    """Slow concept decomposition with an explicit inverse in the ridge step. Returns as
-    :func:`nmf_reference`."""
-    outs, all_bases, all_coefs = [], [], []
-    for xm, dm in zip(x, bases):
-        cm = None
-        for _ in range(steps):
-            cm = torch.softmax(inv_t * dm.T @ _unit_columns(xm, 1e-12), dim=0)  # dm has unit columns
-            cm = cm / (eps + cm.sum(dim=1, keepdim=True))
-            dm = _unit_columns(xm @ cm.T, 1e-6)
-        all_bases.append(dm)
-        all_coefs.append(None if cm is None else cm.T)
-        eye = torch.eye(dm.shape[1], dtype=dm.dtype, device=dm.device)
-        coef = xm.T @ dm @ torch.linalg.inv(dm.T @ dm + beta * eye)  # (N, R)
-        outs.append(dm @ coef.T)
-    coefs = None if steps == 0 else torch.stack(all_coefs)
-    return torch.stack(outs), torch.stack(all_bases), coefs

@@ -1,216 +1,34 @@
-"""RA and LARA ops: agreement with the slow references, the estimator invariants of the spec
-(convexity, reduction to positive-random-feature attention, normalised weights, convergence
-with paper noise and the plateau of reference noise), determinism, padding, bookkeeping of the
-landmarks, and a long sequence through LARA."""
+"""LARA op: agreement with the slow reference (explicit densities), antithetic samples, the
+reduction to positive-random-feature attention, normalised weights, convergence with paper noise
+and the plateau of reference noise, eval and training modes, the landmarks, option errors, a long
+sequence, and the estimator invariants shared with RA."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
-from conftest import qkv
-from subquad.ops._masks import masked_fill_value
-from subquad.ops.exact import softmax_attention_reference
-from subquad.ops.nystrom import segment_lengths
-from subquad.ops.performer import performer_attention_reference
-from subquad.ops.randomized import (
-    _sample_key_indices,
-    lara_attention,
-    lara_attention_reference,
-    lara_samples,
-    lara_weights,
-    ra_attention,
-    ra_attention_reference,
-    ra_samples,
+from conftest import right_padding
+from randomized_checks import (
+    F64,
+    assert_convex_combinations_of_values,
+    assert_low_precision_inputs,
+    assert_padded_positions_never_change_real_outputs,
+    gen,
+    make_qkv,
+    mean_abs_error,
 )
-
-F64 = torch.float64
-
-
-def make_qkv(b=2, h=2, n=7, m=None, d=6, dv=None, seed=0, qk_scale=1.0):
-    """Seeded float64 q ``(b, h, n, d)``, k ``(b, h, m, d)``, v ``(b, h, m, dv)``."""
-    q, k, v = qkv(b, h, n, d, m=m, dv=dv, seed=seed)
-    return qk_scale * q, qk_scale * k, v
-
-
-def gen(seed=1):
-    return torch.Generator().manual_seed(seed)
-
-
-def right_padding(b, m, pads):
-    """Bool ``(b, m)``, True on the last ``pads[i]`` positions of row i."""
-    mask = torch.zeros(b, m, dtype=torch.bool)
-    for i, p in enumerate(pads):
-        if p:
-            mask[i, m - p :] = True
-    return mask
+from subquad.ops._masks import masked_fill_value
+from subquad.ops.lara import lara_attention, lara_samples, lara_weights
+from subquad.ops.lara.naive import lara_attention_reference
+from subquad.ops.nystrom import segment_lengths
+from subquad.ops.performer.naive import performer_attention_reference
+from subquad.ops.softmax.naive import softmax_attention_reference
 
 
 def landmarks(b, h, c, d, seed=5):
     g = torch.Generator().manual_seed(seed)
     return 0.5 * torch.randn(b, h, c, d, generator=g, dtype=F64), 0.5 * torch.randn(b, h, c, d, generator=g, dtype=F64)
-
-
-# ------------------------------------------------------------------------------------------------
-# RA
-# ------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("n,m", [(7, 7), (5, 9)])
-@pytest.mark.parametrize("masked", [False, True])
-def test_ra_matches_reference_on_the_same_samples(n, m, masked):
-    q, k, v = make_qkv(n=n, m=m, dv=3)
-    mask = right_padding(2, m, [0, 3]) if masked else None
-    out = ra_attention(q, k, v, key_padding_mask=mask, num_samples=5, generator=gen())
-    omega = ra_samples(q, k, mask, num_samples=5, generator=gen())
-    ref = ra_attention_reference(q, k, v, omega, mask)
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
-
-
-def test_ra_samples_key_indices_from_the_masked_softmax_row():
-    q, k, _ = make_qkv(b=1, h=1, n=2, m=6, d=4)
-    mask = right_padding(1, 6, [2])
-    idx = _sample_key_indices(q, k, mask, 0.5, 40000, gen())  # (1, 1, 2, S)
-    logits = (q @ k.transpose(-2, -1) * 0.5).masked_fill(mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(logits, dim=-1)[0, 0]
-    for n in range(2):
-        freq = torch.bincount(idx[0, 0, n], minlength=6).to(F64) / 40000
-        assert freq[4:].sum() == 0  # padded keys are never drawn
-        torch.testing.assert_close(freq, probs[n], rtol=0, atol=0.01)
-
-
-def _mean_abs_error(out, exact):
-    return (out - exact).abs().mean().item()
-
-
-def test_ra_paper_noise_converges_to_softmax():
-    q, k, v = make_qkv(b=1, h=1, n=16, d=16, qk_scale=0.5)
-    exact = softmax_attention_reference(q, k, v)
-    errors = [
-        _mean_abs_error(ra_attention(q, k, v, num_samples=s, noise="paper", generator=gen()), exact)
-        for s in (64, 1024, 16384)
-    ]
-    # unbiased: error ~ S^{-1/2}, so 16x the samples should cut it by about 4x
-    assert errors[1] < 0.5 * errors[0] and errors[2] < 0.5 * errors[1], errors
-    assert errors[2] < 0.004, errors
-
-
-def test_ra_reference_noise_plateaus():
-    q, k, v = make_qkv(b=1, h=1, n=16, d=16, qk_scale=0.5)
-    exact = softmax_attention_reference(q, k, v)
-    ref_errors = [
-        _mean_abs_error(ra_attention(q, k, v, num_samples=s, noise="reference", generator=gen()), exact)
-        for s in (1024, 16384)
-    ]
-    paper = _mean_abs_error(ra_attention(q, k, v, num_samples=16384, noise="paper", generator=gen()), exact)
-    # biased: 16x the samples barely helps, and it ends well above the paper-noise estimator
-    assert ref_errors[1] > 0.7 * ref_errors[0], ref_errors
-    assert ref_errors[1] > 3 * paper, (ref_errors, paper)
-
-
-def test_ra_mixture_mean_is_deterministic_and_differentiable():
-    q, k, v = make_qkv(n=6)
-    q.requires_grad_(True)
-    k.requires_grad_(True)
-    a = ra_attention(q, k, v, estimator="mixture_mean")
-    b = ra_attention(q, k, v, estimator="mixture_mean")
-    assert torch.equal(a, b)
-    a.sum().backward()
-    assert q.grad.abs().sum() > 0 and k.grad.abs().sum() > 0
-    # it is f at w = sqrt(s) (q + sum_m pi_nm k_m), written out
-    s = 6 ** -0.5
-    pi = torch.softmax(q @ k.transpose(-2, -1) * s, dim=-1)
-    omega = ((q + pi @ k) * math.sqrt(s)).unsqueeze(-2)
-    torch.testing.assert_close(a, ra_attention_reference(q, k, v, omega), rtol=0, atol=1e-12)
-
-
-def test_ra_gradients_reach_q_k_v():
-    q, k, v = make_qkv(b=1, h=2, n=5, d=4)
-    for t in (q, k, v):
-        t.requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda q, k, v: ra_attention(q, k, v, num_samples=3, generator=gen()), (q, k, v))
-
-
-def test_ra_seeded_reproducible_and_stochastic():
-    q, k, v = make_qkv()
-    a = ra_attention(q, k, v, generator=gen(3))
-    b = ra_attention(q, k, v, generator=gen(3))
-    c = ra_attention(q, k, v, generator=gen(4))
-    assert torch.equal(a, b)
-    assert not torch.allclose(a, c)
-    torch.manual_seed(0)
-    d = ra_attention(q, k, v)
-    torch.manual_seed(0)
-    assert torch.equal(d, ra_attention(q, k, v))
-
-
-# ------------------------------------------------------------------------------------------------
-# Shared invariants
-# ------------------------------------------------------------------------------------------------
-
-CONFIGS = {
-    "ra": dict(method=ra_attention, opts=dict(num_samples=3)),
-    "ra_mixture_mean": dict(method=ra_attention, opts=dict(estimator="mixture_mean")),
-    "lara_eval": dict(method=lara_attention, opts=dict(num_landmarks=3)),
-    "lara_train": dict(method=lara_attention, opts=dict(num_landmarks=3, training=True, antithetic=True)),
-    "lara_train_bh": dict(method=lara_attention, opts=dict(num_landmarks=3, training=True, mis="bh")),
-    "lara_reference_noise": dict(
-        method=lara_attention, opts=dict(num_landmarks=4, training=True, noise="reference", alpha_coeff=2.0)
-    ),
-}
-
-
-@pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_outputs_are_convex_combinations_of_values(config):
-    c = CONFIGS[config]
-    q, k, v = make_qkv(n=9, m=11, qk_scale=1.5)
-    mask = right_padding(2, 11, [0, 4])
-    out = c["method"](q, k, v, key_padding_mask=mask, generator=gen(), **c["opts"])
-    real_v = v.masked_fill(mask[:, None, :, None], float("nan"))
-    lo = real_v.nan_to_num(float("inf")).amin(-2, keepdim=True)
-    hi = real_v.nan_to_num(float("-inf")).amax(-2, keepdim=True)
-    assert torch.all(out >= lo - 1e-12) and torch.all(out <= hi + 1e-12)
-
-
-@pytest.mark.parametrize("config", sorted(CONFIGS))
-@pytest.mark.parametrize("n,m", [(8, 8), (6, 10)])
-def test_padded_positions_never_change_real_outputs(config, n, m):
-    c = CONFIGS[config]
-    q, k, v = make_qkv(b=3, n=n, m=m)
-    mask = right_padding(3, m, [0, 3, m])  # the last batch row has no real key
-    out = c["method"](q, k, v, key_padding_mask=mask, generator=gen(), **c["opts"])
-    pad = mask[:, None, :, None]
-    k2 = torch.where(pad, 7.0 * torch.randn_like(k), k)
-    v2 = torch.where(pad, 7.0 * torch.randn_like(v), v)
-    q2 = torch.where(pad, 7.0 * torch.randn_like(q), q) if n == m else q
-    out2 = c["method"](q2, k2, v2, key_padding_mask=mask, generator=gen(), **c["opts"])
-    real_q = ~mask if n == m else torch.ones(3, n, dtype=torch.bool)
-    sel = real_q[:, None, :, None].expand_as(out)
-    torch.testing.assert_close(out[sel], out2[sel], rtol=0, atol=1e-12)
-    assert torch.isfinite(out).all()
-    assert torch.all(out[2] == 0)  # no real key: output 0
-
-
-@pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_low_precision_inputs(config):
-    """bf16 in, bf16 out, finite (math in float32); deterministic modes agree with float64."""
-    c = CONFIGS[config]
-    q, k, v = make_qkv(n=8)
-    out = c["method"](q.bfloat16(), k.bfloat16(), v.bfloat16(), generator=gen(), **c["opts"])
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = c["method"](q.float(), k.float(), v.float(), generator=gen(), **c["opts"])
-    assert out.dtype == torch.float32 and torch.isfinite(out).all()
-    if config in ("ra_mixture_mean", "lara_eval"):
-        ref = c["method"](q, k, v, **c["opts"])
-        torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
-
-
-# ------------------------------------------------------------------------------------------------
-# LARA
-# ------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("mis,alpha_coeff", [("opt", 1.5), ("opt", 0.0), ("bh", 1.0)])
@@ -276,7 +94,7 @@ def test_lara_paper_noise_converges_to_softmax(alpha_coeff):
     q, k, v = make_qkv(b=1, h=1, n=16, d=16, qk_scale=0.5)
     exact = softmax_attention_reference(q, k, v)
     errors = [
-        _mean_abs_error(
+        mean_abs_error(
             lara_attention(q, k, v, num_landmarks=4, training=True, num_samples=s, alpha_coeff=alpha_coeff,
                            noise="paper", generator=gen()),
             exact,
@@ -293,7 +111,7 @@ def test_lara_reference_noise_plateaus():
 
     def error(s, noise):
         out = lara_attention(q, k, v, num_landmarks=4, training=True, num_samples=s, noise=noise, generator=gen())
-        return _mean_abs_error(out, exact)
+        return mean_abs_error(out, exact)
 
     ref_errors = [error(256, "reference"), error(4096, "reference")]
     assert ref_errors[1] > 0.7 * ref_errors[0], ref_errors
@@ -374,9 +192,7 @@ def test_lara_option_errors():
     with pytest.raises(ValueError, match="alpha_coeff"):
         lara_attention(q, k, v, alpha_coeff=-1.0)
     with pytest.raises(TypeError, match="generator"):
-        ra_attention(q, k, v, generator=0)
-    with pytest.raises(ValueError, match="estimator"):
-        ra_attention(q, k, v, estimator="mean")
+        lara_attention(q, k, v, generator=0)
     with pytest.raises(NotImplementedError):
         lara_attention(q, k, v, causal=True)
 
@@ -402,3 +218,28 @@ def test_lara_long_sequence_forward_and_backward():
     out.square().mean().backward()
     assert out.shape == (1, 1, 131072, 32) and torch.isfinite(out).all()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+# the estimator invariants (see randomized_checks), in eval and training modes
+CONFIGS = {
+    "lara_eval": dict(num_landmarks=3),
+    "lara_train": dict(num_landmarks=3, training=True, antithetic=True),
+    "lara_train_bh": dict(num_landmarks=3, training=True, mis="bh"),
+    "lara_reference_noise": dict(num_landmarks=4, training=True, noise="reference", alpha_coeff=2.0),
+}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_outputs_are_convex_combinations_of_values(config):
+    assert_convex_combinations_of_values(lara_attention, CONFIGS[config])
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("n,m", [(8, 8), (6, 10)])
+def test_padded_positions_never_change_real_outputs(config, n, m):
+    assert_padded_positions_never_change_real_outputs(lara_attention, CONFIGS[config], n, m)
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_low_precision_inputs(config):
+    assert_low_precision_inputs(lara_attention, CONFIGS[config], deterministic=config == "lara_eval")

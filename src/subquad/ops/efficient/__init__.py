@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..registry import register_method
-from ._masks import compute_dtype, compute_precision, masked_fill_value, no_key_rows
+from ...registry import register_method
+from .._masks import compute_dtype, compute_precision, masked_fill_value, no_key_rows
+
+__all__ = ["EfficientOptions", "efficient_attention", "flops"]
 
 
 @dataclass
@@ -21,14 +23,14 @@ class EfficientOptions:
     """Double-softmax attention has no options."""
 
 
-@register_method(
-    "efficient",
-    options=EfficientOptions,
-    summary="double-softmax linear attention (Shen et al. 2021)",
-    causal=False,
-    cross_attention=True,
-    complexity="linear",
-)
+def flops(B, H, N, M, D, Dv, o):
+    """Matmul FLOPs of one forward (:mod:`subquad.bench.flops`): softmax(k)^T v, then
+    softmax(q) times that."""
+    return 2 * B * H * (M * D * Dv + N * D * Dv)
+
+
+@register_method("efficient", options=EfficientOptions, summary="double-softmax linear attention (Shen et al. 2021)",
+                 causal=False, cross_attention=True, complexity="linear", flops=flops)
 def efficient_attention(q, k, v, key_padding_mask, causal, scale):
     """Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
 
@@ -50,13 +52,3 @@ def efficient_attention(q, k, v, key_padding_mask, causal, scale):
             out = out.masked_fill(no_key_rows(key_padding_mask, q.shape[2], False), 0.0)
     return out.to(q.dtype)
 
-
-def efficient_attention_reference(q, k, v, key_padding_mask=None):
-    """Slow, obvious reference: the explicit ``(N, M)`` weight matrix."""
-    qs = torch.softmax(q, dim=-1)
-    kl = k
-    if key_padding_mask is not None:
-        kl = k.masked_fill(key_padding_mask[:, None, :, None], float("-inf"))
-    ks = torch.softmax(kl, dim=-2).nan_to_num(0.0)
-    w = qs @ ks.transpose(-2, -1)  # (B, H, N, M), rows sum to 1
-    return w @ v

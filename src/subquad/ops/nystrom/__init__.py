@@ -15,18 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..registry import register_method
-from ._masks import compute_dtype, compute_precision, masked_fill_value, no_key_rows
-from ..checks import check_choice, check_int
-from .exact import softmax_attention
+from ...checks import check_choice, check_int
+from ...registry import register_method
+from .._masks import compute_dtype, compute_precision, no_key_rows, padding_bias
+from ..softmax import flops as softmax_flops
+from ..softmax import softmax_attention
 
-__all__ = [
-    "nystrom_attention",
-    "segment_lengths",
-    "segment_means",
-    "iterative_pinv",
-    "nystrom_attention_reference",
-]
+__all__ = ["NystromOptions", "flops", "iterative_pinv", "nystrom_attention", "segment_lengths", "segment_means"]
 
 
 def segment_lengths(n: int, m: int) -> list[int]:
@@ -110,22 +105,26 @@ class NystromOptions:
         check_choice("nystrom", "pinv_init", self.pinv_init, ("per_matrix", "global"))
 
 
-def _landmark_bias(empty: Tensor | None, dtype) -> Tensor | None:
-    """Additive ``(B, 1, 1, m)`` bias that removes empty landmarks from a softmax."""
-    if empty is None:
-        return None
-    bias = torch.zeros(empty.shape, dtype=dtype, device=empty.device)
-    return bias.masked_fill_(empty, masked_fill_value(dtype))[:, None, None, :]
+def flops(B, H, N, M, D, Dv, o):
+    """Matmul FLOPs of one forward (:mod:`subquad.bench.flops`)."""
+    m = o["num_landmarks"]
+    if m >= min(N, M):  # the op runs exact attention there
+        return softmax_flops(B, H, N, M, D, Dv, o)
+    kernel_a = 2 * m * m * D
+    pinv = o["pinv_iterations"] * 4 * 2 * m**3  # four m x m x m products per step
+    landmarks_to_keys = 2 * m * M * (D + Dv)  # softmax(q~ k^T) v as one fused call
+    z_times = 2 * m * m * Dv
+    queries_to_landmarks = 2 * N * m * (D + Dv)
+    return B * H * (kernel_a + pinv + landmarks_to_keys + z_times + queries_to_landmarks)
 
 
-@register_method(
-    "nystrom",
-    options=NystromOptions,
-    summary="Nyström landmarks with iterative pseudo-inverse (Xiong et al. 2021)",
-    causal=False,
-    cross_attention=True,
-    complexity="linear",
-)
+@register_method("nystrom", options=NystromOptions,
+                 summary="Nyström landmarks with iterative pseudo-inverse (Xiong et al. 2021)",
+                 causal=False, cross_attention=True, complexity="linear",
+                 core="subquad.layers.nystrom:NystromCore", flops=flops,
+                 peer="subquad.bench.peers:NYSTROM_ATTENTION",
+                 # few landmarks, so the Nystrom path (not the exact fallback for m >= N) runs at N >= 5
+                 test_options={"num_landmarks": 4})
 def nystrom_attention(q, k, v, key_padding_mask, causal, scale, *, num_landmarks, pinv_iterations, pinv_init):
     """Nyström attention.
 
@@ -156,7 +155,7 @@ def nystrom_attention(q, k, v, key_padding_mask, causal, scale, *, num_landmarks
         # rows/columns, so the pinv inverts the block of real landmarks and leaves them out
         a_logits = (q_land * scale) @ k_land.transpose(-2, -1)
         if empty_k is not None:
-            a_logits = a_logits + _landmark_bias(empty_k, dtype)
+            a_logits = a_logits + padding_bias(empty_k, dtype)
         a = torch.softmax(a_logits, dim=-1)
         if empty_k is not None:
             void = empty_k[:, None, None, :]
@@ -164,53 +163,12 @@ def nystrom_attention(q, k, v, key_padding_mask, causal, scale, *, num_landmarks
                 void = void | empty_q[:, None, :, None]
             a = torch.where(void, torch.eye(m, dtype=dtype, device=q.device), a)
         z = iterative_pinv(a, pinv_iterations, pinv_init)
-        key_bias = None
-        if key_padding_mask is not None:
-            key_bias = _landmark_bias(key_padding_mask, dtype)
+        key_bias = padding_bias(key_padding_mask, dtype)
         bv = F.scaled_dot_product_attention(q_land, kc, vc, attn_mask=key_bias, scale=scale)
         out = F.scaled_dot_product_attention(
-            qc, k_land, z @ bv, attn_mask=_landmark_bias(empty_k, dtype), scale=scale
+            qc, k_land, z @ bv, attn_mask=padding_bias(empty_k, dtype), scale=scale
         )
         if key_padding_mask is not None:
             out = out.masked_fill(no_key_rows(key_padding_mask, n, False), 0.0)
     return out.to(q.dtype)
 
-
-def nystrom_attention_reference(
-    q, k, v, key_padding_mask=None, scale=None, num_landmarks=64, pinv_iterations=6, pinv_init="per_matrix"
-):
-    """Slow, obvious reference: landmarks by a loop over segments, the three kernels as explicit
-    matrices, and ``(F Z) (B V)`` written out (no exact fallback)."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    B, H, n, _ = q.shape
-    mk = k.shape[2]
-    m = num_landmarks
-    keep_k = torch.ones(B, mk, dtype=torch.bool) if key_padding_mask is None else ~key_padding_mask
-    keep_q = keep_k if (key_padding_mask is not None and n == mk) else torch.ones(B, n, dtype=torch.bool)
-
-    def landmarks(x, keep):
-        out = torch.zeros(B, H, m, x.shape[-1], dtype=x.dtype)
-        valid = torch.zeros(B, m, dtype=torch.bool)
-        start = 0
-        for j, length in enumerate(segment_lengths(x.shape[2], m)):
-            for b in range(B):
-                sel = keep[b, start : start + length]
-                if sel.any():
-                    out[b, :, j] = x[b, :, start : start + length][:, sel].mean(1)
-                    valid[b, j] = True
-            start += length
-        return out, valid
-
-    q_land, valid_q = landmarks(q, keep_q)
-    k_land, valid_k = landmarks(k, keep_k)
-    neg = float("-inf")
-    f = (q @ k_land.transpose(-2, -1) * scale).masked_fill(~valid_k[:, None, None, :], neg).softmax(-1)
-    a = (q_land @ k_land.transpose(-2, -1) * scale).masked_fill(~valid_k[:, None, None, :], neg).softmax(-1)
-    a = a.nan_to_num(0.0)
-    void = ~valid_k[:, None, None, :] | ~valid_q[:, None, :, None]
-    a = torch.where(void, torch.eye(m, dtype=a.dtype), a)
-    bk = (q_land @ k.transpose(-2, -1) * scale).masked_fill(~keep_k[:, None, None, :], neg).softmax(-1)
-    z = iterative_pinv(a, pinv_iterations, pinv_init)
-    out = (f @ z) @ (bk @ v)
-    no_key = ~keep_k.any(-1)
-    return out.nan_to_num(0.0).masked_fill(no_key[:, None, None, None], 0.0)

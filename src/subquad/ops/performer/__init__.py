@@ -12,17 +12,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..registry import register_method
-from ._masks import compute_dtype, compute_precision, masked_fill_value, no_key_rows
-from ..checks import check_bool, check_float, check_int
-from .linear import _safe_den, kernel_attention
+from ...checks import check_bool, check_float, check_int
+from ...registry import register_method
+from .._common import check_generator, check_tensor_option
+from .._masks import compute_dtype, compute_precision, masked_fill_value, no_key_rows
+from ..linear import _safe_den, kernel_attention
 
-__all__ = [
-    "performer_attention",
-    "random_projection",
-    "performer_features",
-    "performer_attention_reference",
-]
+__all__ = ["PerformerOptions", "flops", "performer_attention", "performer_features", "random_projection"]
 
 
 def random_projection(
@@ -163,28 +159,24 @@ class PerformerOptions:
         check_bool("performer", "orthogonal", self.orthogonal)
         check_float("performer", "eps", self.eps, minimum=0.0)
         check_int("performer", "chunk_size", self.chunk_size, minimum=1)
-        if self.features is not None:
-            f = self.features
-            if not isinstance(f, Tensor) or f.ndim != 2 or not f.is_floating_point():
-                raise ValueError(
-                    "performer: features must be a floating (m, D) tensor, got "
-                    f"{getattr(f, 'shape', type(f).__name__)}"
-                )
-        if self.generator is not None and not isinstance(self.generator, torch.Generator):
-            raise TypeError(
-                f"performer: generator must be a torch.Generator, got {type(self.generator).__name__}"
-            )
+        check_tensor_option("performer", "features", self.features, "(m, D)")
+        check_generator("performer", self.generator)
 
 
-@register_method(
-    "performer",
-    options=PerformerOptions,
-    summary="FAVOR+ positive orthogonal random features (Choromanski et al. 2021)",
-    causal=True,
-    cross_attention=True,
-    complexity="linear",
-    stochastic=True,
-)
+def flops(B, H, N, M, D, Dv, o):
+    """Matmul FLOPs of one non-causal forward (:mod:`subquad.bench.flops`): the projections
+    w.x of queries and keys, then phi(k)^T [v, 1] and phi(q) (phi(k)^T [v, 1])."""
+    m = o["num_features"] if o.get("features") is None else o["features"].shape[0]
+    return 2 * B * H * (N + M) * m * (D + Dv + 1)
+
+
+@register_method("performer", options=PerformerOptions,
+                 summary="FAVOR+ positive orthogonal random features (Choromanski et al. 2021)",
+                 causal=True, cross_attention=True, complexity="linear", stochastic=True,
+                 core="subquad.layers.performer:PerformerCore", flops=flops,
+                 peer="subquad.bench.peers:PERFORMER_PYTORCH",
+                 # a modest feature count; small chunks so causal tests cross several chunk boundaries
+                 test_options={"num_features": 64, "chunk_size": 4})
 def performer_attention(
     q, k, v, key_padding_mask, causal, scale, *, num_features, orthogonal, features, generator, eps,
     chunk_size,
@@ -333,12 +325,3 @@ def _favor_group(q, k, v, wt, scale, pad, eps, rows, out, buf):
         return out
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
 
-
-def performer_attention_reference(q, k, v, features, key_padding_mask=None, causal=False, scale=None):
-    """Slow, obvious reference: unstabilised features and the explicit ``(N, M)`` matrix."""
-    from .linear import kernel_attention_reference
-
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    phi_q = performer_features(q, features, kind="raw", scale=scale)
-    phi_k = performer_features(k, features, kind="raw", scale=scale)
-    return kernel_attention_reference(phi_q, phi_k, v, key_padding_mask, causal)

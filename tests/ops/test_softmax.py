@@ -7,22 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import qkv
-from subquad.ops.exact import softmax_attention, softmax_attention_reference
+from conftest import qkv, right_padding
+from subquad.ops.softmax import softmax_attention
+from subquad.ops.softmax.naive import softmax_attention_reference
 
 
 def make_qkv(b=2, h=3, n=11, m=None, d=8, dv=None, seed=0):
     """Seeded float64 q ``(b, h, n, d)``, k ``(b, h, m, d)``, v ``(b, h, m, dv)``."""
     return qkv(b, h, n, d, m=m, dv=dv, seed=seed)
-
-
-def padding_mask(b, m, pads):
-    """Bool ``(b, m)``, True on the last ``pads[i]`` positions of row i (right padding)."""
-    mask = torch.zeros(b, m, dtype=torch.bool)
-    for i, p in enumerate(pads):
-        if p:
-            mask[i, m - p :] = True
-    return mask
 
 
 def sdpa_with_bool_mask(q, k, v, key_padding_mask=None, causal=False, scale=None):
@@ -40,7 +32,7 @@ def sdpa_with_bool_mask(q, k, v, key_padding_mask=None, causal=False, scale=None
 @pytest.mark.parametrize("masked", [False, True])
 def test_matches_reference_and_sdpa(causal, masked):
     q, k, v = make_qkv(dv=5)
-    mask = padding_mask(2, 11, [0, 4]) if masked else None
+    mask = right_padding(2, 11, [0, 4]) if masked else None
     out = softmax_attention(q, k, v, key_padding_mask=mask, causal=causal)
     ref = softmax_attention_reference(q, k, v, mask, causal)
     sdpa = sdpa_with_bool_mask(q, k, v, mask, causal)
@@ -50,7 +42,7 @@ def test_matches_reference_and_sdpa(causal, masked):
 
 def test_cross_attention_and_scale():
     q, k, v = make_qkv(n=5, m=13, dv=3)
-    mask = padding_mask(2, 13, [3, 0])
+    mask = right_padding(2, 13, [3, 0])
     out = softmax_attention(q, k, v, key_padding_mask=mask, scale=0.3)
     torch.testing.assert_close(out, softmax_attention_reference(q, k, v, mask, scale=0.3), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out, sdpa_with_bool_mask(q, k, v, mask, scale=0.3), rtol=1e-12, atol=1e-12)
@@ -85,7 +77,7 @@ def test_causal_with_left_padding():
 @pytest.mark.parametrize("causal", [False, True])
 def test_query_without_real_key_outputs_zero_with_finite_grads(causal):
     q, k, v = make_qkv()
-    mask = padding_mask(2, 11, [0, 11])  # batch 1 is all padding
+    mask = right_padding(2, 11, [0, 11])  # batch 1 is all padding
     if causal:
         mask[0, :2] = True  # and the first two queries of batch 0 see only padding
     q, k, v = (t.requires_grad_() for t in (q, k, v))

@@ -8,9 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..registry import register_method
-from ._masks import masked_fill_value, no_key_rows, sdpa_dtype
-from ..checks import check_float
+from ...checks import check_float
+from ...registry import register_method
+from .._masks import masked_fill_value, no_key_rows, sdpa_dtype
+
+__all__ = ["SoftmaxOptions", "attention_bias", "flops", "softmax_attention"]
 
 
 @dataclass
@@ -44,14 +46,14 @@ def attention_bias(
     return bias
 
 
-@register_method(
-    "softmax",
-    options=SoftmaxOptions,
-    summary="exact softmax attention (SDPA)",
-    causal=True,
-    cross_attention=True,
-    complexity="quadratic",
-)
+def flops(B, H, N, M, D, Dv, o):
+    """Matmul FLOPs of one forward (:mod:`subquad.bench.flops`): scores q k^T and weights @ v."""
+    return 2 * B * H * N * M * (D + Dv)
+
+
+@register_method("softmax", options=SoftmaxOptions, summary="exact softmax attention (SDPA)",
+                 causal=True, cross_attention=True, complexity="quadratic",
+                 core="subquad.layers.softmax:SoftmaxCore", flops=flops)
 def softmax_attention(q, k, v, key_padding_mask, causal, scale, *, dropout_p):
     """Exact attention ``softmax(s q k^T) v`` through ``F.scaled_dot_product_attention``.
 
@@ -68,18 +70,3 @@ def softmax_attention(q, k, v, key_padding_mask, causal, scale, *, dropout_p):
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
     return out.masked_fill(no_key_rows(key_padding_mask, n, causal), 0.0)
 
-
-def softmax_attention_reference(q, k, v, key_padding_mask=None, causal=False, scale=None):
-    """Slow, obvious reference: the full weight matrix with explicit masks."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    logits = torch.einsum("bhnd,bhmd->bhnm", q, k) * scale
-    n, m = logits.shape[-2:]
-    allowed = torch.ones(n, m, dtype=torch.bool, device=q.device)
-    if causal:
-        allowed = allowed.tril()
-    allowed = allowed.expand(q.shape[0], 1, n, m)
-    if key_padding_mask is not None:
-        allowed = allowed & ~key_padding_mask[:, None, None, :]
-    logits = logits.masked_fill(~allowed, float("-inf"))
-    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows with no key -> 0
-    return weights @ v

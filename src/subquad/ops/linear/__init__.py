@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..registry import register_method
-from ._masks import compute_dtype, compute_precision
-from ..checks import check_int
+from ...checks import check_int
+from ...registry import register_method
+from .._masks import compute_dtype, compute_precision
 
-__all__ = ["linear_attention", "kernel_attention", "linear_attention_reference"]
+__all__ = ["linear_attention", "kernel_attention", "elu_feature_map", "LinearOptions", "flops"]
 
 
 def kernel_attention(
@@ -93,14 +93,16 @@ class LinearOptions:
         check_int("linear", "chunk_size", self.chunk_size, minimum=1)
 
 
-@register_method(
-    "linear",
-    options=LinearOptions,
-    summary="elu(x)+1 linear attention (Katharopoulos et al. 2020)",
-    causal=True,
-    cross_attention=True,
-    complexity="linear",
-)
+def flops(B, H, N, M, D, Dv, o):
+    """Matmul FLOPs of one non-causal forward (:mod:`subquad.bench.flops`): phi(k)^T v,
+    phi(q) (phi(k)^T v), and the normaliser phi(q) . sum phi(k)."""
+    return 2 * B * H * (M * D * Dv + N * D * Dv + N * D)
+
+
+@register_method("linear", options=LinearOptions, summary="elu(x)+1 linear attention (Katharopoulos et al. 2020)",
+                 causal=True, cross_attention=True, complexity="linear", flops=flops,
+                 # small chunks, so causal tests cross several chunk boundaries
+                 test_options={"chunk_size": 4})
 def linear_attention(q, k, v, key_padding_mask, causal, scale, *, chunk_size):
     """Linear attention with the ``elu(x) + 1`` feature map.
 
@@ -122,19 +124,3 @@ def linear_attention(q, k, v, key_padding_mask, causal, scale, *, chunk_size):
         )
     return out.to(q.dtype)
 
-
-def kernel_attention_reference(phi_q, phi_k, v, key_padding_mask=None, causal=False):
-    """Slow, obvious reference: the explicit ``(N, M)`` weight matrix, masked and normalised."""
-    w = phi_q @ phi_k.transpose(-2, -1)
-    if causal:
-        w = w.tril()
-    if key_padding_mask is not None:
-        w = w.masked_fill(key_padding_mask[:, None, None, :], 0.0)
-    den = w.sum(-1, keepdim=True)
-    return torch.where(den > 0, (w @ v) / den, torch.zeros_like(den))
-
-
-def linear_attention_reference(q, k, v, key_padding_mask=None, causal=False):
-    return kernel_attention_reference(
-        elu_feature_map(q), elu_feature_map(k), v, key_padding_mask, causal
-    )
