@@ -11,8 +11,9 @@ import torch
 
 import subquad
 import subquad.ops
-from conftest import ATTENTION_METHODS, method_options, qkv
+from conftest import ATTENTION_METHODS, generic_options, method_options, qkv, sampling_options
 from subquad import registry
+from subquad.layers import AttentionCore
 
 # name -> (causal, cross_attention, complexity, stochastic)
 BUILT_IN = {
@@ -44,6 +45,23 @@ BUILT_IN_DEFAULTS = {
         "chunk_size": 64,
     },
     "nystrom": {"num_landmarks": 64, "pinv_iterations": 6, "pinv_init": "per_matrix"},
+}
+
+# the layer cores of the methods whose modules own state: each in its method's file
+BUILT_IN_CORES = {
+    "softmax": "subquad.layers.softmax:SoftmaxCore",
+    "performer": "subquad.layers.performer:PerformerCore",
+    "nystrom": "subquad.layers.nystrom:NystromCore",
+    "ra": "subquad.layers.ra:RaCore",
+    "lara": "subquad.layers.lara:LaraCore",
+    "sinkhorn": "subquad.layers.sinkhorn:SinkhornCore",
+}
+
+BUILT_IN_PEERS = {
+    "nystrom": "subquad.bench.peers:NYSTROM_ATTENTION",
+    "performer": "subquad.bench.peers:PERFORMER_PYTORCH",
+    "sinkhorn": "subquad.bench.peers:SINKHORN_TRANSFORMER",
+    "hamburger": "subquad.bench.peers:HAMBURGER_PYTORCH",
 }
 
 
@@ -263,3 +281,63 @@ def test_option_named_like_an_argument_is_refused(scratch_registry):
             "_scratch_clash", options=_Clash, summary="", causal=False, cross_attention=True, complexity="linear"
         )(lambda q, k, v, key_padding_mask, causal, scale: v)
     assert "_scratch_clash" not in [m.name for m in subquad.list_methods()]
+
+
+@pytest.mark.parametrize("name", list(BUILT_IN_CORES))
+def test_built_in_cores_are_named_by_their_entries(name):
+    info = subquad.get_method(name)
+    assert info.core == BUILT_IN_CORES[name]
+    assert issubclass(registry.resolve_path(info.core), AttentionCore)
+
+
+@pytest.mark.parametrize("name", ATTENTION_METHODS)
+def test_module_builds_the_core_its_entry_names(name):
+    """``MultiheadAttention`` builds the entry's ``core`` (the plain ``AttentionCore`` without one)."""
+    info = subquad.get_method(name)
+    expected = AttentionCore if info.core is None else registry.resolve_path(info.core)
+    assert type(subquad.MultiheadAttention(16, 2, method=name, **generic_options(name)).core) is expected
+
+
+def test_a_new_method_names_its_core(scratch_registry):
+    kwargs = {"options": _NoOptions, "summary": "test", "causal": False, "cross_attention": True,
+              "complexity": "linear"}
+    subquad.register_method("_scratch_plain", **kwargs)(lambda q, k, v, key_padding_mask, causal, scale: v)
+    subquad.register_method("_scratch_ra_core", core="subquad.layers.ra:RaCore", **kwargs)(
+        lambda q, k, v, key_padding_mask, causal, scale: v
+    )
+    assert type(subquad.MultiheadAttention(8, 2, method="_scratch_plain").core) is AttentionCore
+    assert type(subquad.MultiheadAttention(8, 2, method="_scratch_ra_core").core).__name__ == "RaCore"
+    with pytest.raises(ValueError, match="import path"):
+        subquad.register_method("_scratch_bad_core", core="subquad.layers.ra.RaCore", **kwargs)
+
+
+def test_peers_are_named_by_import_path():
+    peers = {m.name: m.peer for m in subquad.list_methods() if m.peer is not None}
+    assert {name: peers.get(name) for name in BUILT_IN_PEERS} == BUILT_IN_PEERS
+
+
+@pytest.mark.parametrize("name", ["softmax", "linear", "efficient", "performer", "nystrom", "ra", "lara", "sinkhorn"])
+def test_flops_formula_is_registered(name):
+    """These attention methods declare their FLOP formula (a method without one is counted at run
+    time by the benchmarks): a positive int at a small shape."""
+    info = subquad.get_method(name)
+    assert callable(info.flops)
+    assert info.flops(1, 2, 16, 16, 8, 8, info.option_defaults()) > 0
+
+
+@pytest.mark.parametrize("name", ATTENTION_METHODS)
+def test_test_and_sampling_options_are_valid(name):
+    info = subquad.get_method(name)
+    info.make_options(**generic_options(name), **sampling_options(name))
+    if info.sampling_options:
+        assert info.stochastic
+
+
+def test_unregister(scratch_registry):
+    subquad.register_method(
+        "_scratch_gone", options=_NoOptions, summary="test", causal=False, cross_attention=True, complexity="linear"
+    )(lambda q, k, v, key_padding_mask, causal, scale: v)
+    registry.unregister("_scratch_gone")
+    assert "_scratch_gone" not in [m.name for m in subquad.list_methods()]
+    with pytest.raises(KeyError):
+        registry.unregister("_scratch_gone")
