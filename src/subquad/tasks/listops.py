@@ -208,6 +208,19 @@ def _sample_batch(rng: np.random.Generator, num_roots: int, cfg: GeneratorConfig
 
     Per level, ``tree`` (root of each node) and ``parent`` (index in the level above) are
     non-decreasing, so the arguments of a list are contiguous in the next level."""
+    levels, length = _grow_levels(rng, num_roots, cfg)
+    keep_tree = (length > cfg.min_length) & (length < cfg.max_length)
+    if not keep_tree.any():
+        return np.zeros(0, np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    compact = _kept_levels(levels, keep_tree)
+    values, sizes = _values_and_sizes(compact)
+    return _pre_order_tokens(compact, sizes), sizes[0], values[0]
+
+
+def _grow_levels(rng: np.random.Generator, num_roots: int, cfg: GeneratorConfig) -> tuple[list, np.ndarray]:
+    """Draw the trees one depth at a time: ``(levels, length)`` with one ``(tree, parent, internal,
+    token)`` per depth and the token count of each tree (a lower bound for trees that stopped
+    growing at ``max_length``)."""
     ways = len(OPERATORS) * (cfg.max_args - 1)
     span = 10 * ways  # one draw gives a digit (code % 10) or an operator and an argument count
     levels = []  # per depth: (tree, parent, internal, token)
@@ -235,11 +248,13 @@ def _sample_batch(rng: np.random.Generator, num_roots: int, cfg: GeneratorConfig
         grow = length[tree[lists]] < cfg.max_length
         parent = np.repeat(lists[grow].astype(np.int32), nargs[grow])
         tree = tree[parent]
-    keep_tree = (length > cfg.min_length) & (length < cfg.max_length)
-    if not keep_tree.any():
-        return np.zeros(0, np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return levels, length
+
+
+def _kept_levels(levels: list, keep_tree: np.ndarray) -> list:
+    """The levels with only the nodes of kept trees (whole trees: parents of kept nodes are
+    kept), trees and parents renumbered."""
     new_tree_id = (np.cumsum(keep_tree) - 1).astype(np.int32)
-    # keep only the nodes of kept trees (whole trees: parents of kept nodes are kept)
     compact = []
     prev_map = None
     for tree, parent, internal, token in levels:
@@ -250,7 +265,11 @@ def _sample_batch(rng: np.random.Generator, num_roots: int, cfg: GeneratorConfig
         new_parent = prev_map[parent[keep]] if prev_map is not None else parent
         compact.append((new_tree_id[tree[keep]], new_parent, internal[keep], token[keep]))
         prev_map = index_map
-    # bottom-up: values and subtree lengths
+    return compact
+
+
+def _values_and_sizes(compact: list) -> tuple[list, list]:
+    """Bottom-up: the value and the subtree length (in tokens) of every node, per level."""
     values = [None] * len(compact)
     sizes = [None] * len(compact)
     for d in range(len(compact) - 1, -1, -1):
@@ -267,11 +286,16 @@ def _sample_batch(rng: np.random.Generator, num_roots: int, cfg: GeneratorConfig
             value[lists] = _reduce_histograms(hist, token[lists].astype(np.int64) - FIRST_OP)
         values[d] = value
         sizes[d] = size
+    return values, sizes
+
+
+def _pre_order_tokens(compact: list, sizes: list) -> np.ndarray:
+    """Top-down: every tree's tokens in pre-order (with closing brackets), the trees one after
+    another."""
     lengths = sizes[0]
     starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
     out = np.empty(int(lengths.sum()), dtype=np.uint8)
-    # top-down: pre-order position of every node inside its tree
-    pos = np.zeros(len(lengths), dtype=np.int64)
+    pos = np.zeros(len(lengths), dtype=np.int64)  # pre-order position of every node inside its tree
     for d in range(len(compact)):
         tree, parent, internal, token = compact[d]
         size = sizes[d]
@@ -285,7 +309,7 @@ def _sample_batch(rng: np.random.Generator, num_roots: int, cfg: GeneratorConfig
         out[where] = token
         lists = np.flatnonzero(internal)
         out[where[lists] + size[lists] - 1] = CLOSE
-    return out, lengths, values[0]
+    return out
 
 
 def _reduce_histograms(hist: np.ndarray, op: np.ndarray) -> np.ndarray:
