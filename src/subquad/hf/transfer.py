@@ -16,6 +16,7 @@ Pretrained weights never receive a gradient.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -142,30 +143,60 @@ def transfer(model: nn.Module, texts: list[str], tokenizer, *, steps: int = 200,
         cache = cache_teacher(model, texts, tokenizer, max_length=max_length, progress=progress)
     cache_seconds = time.time() - start
     params = trainable_parameters(model)
+    opt = torch.optim.Adam(params, lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    ckpt = Path(checkpoint) if checkpoint is not None else None
+    with _only_trainable(model, params):
+        first = _resume(ckpt, params, opt, gen)
+        before = layer_losses(model, cache) if first == 0 else None
+        last = _steps(layers, cache, params, opt, gen, range(first, steps), batch_size=batch_size, ckpt=ckpt,
+                      checkpoint_every=checkpoint_every, progress=progress)
+    after = layer_losses(model, cache)
+    return {"loss_before": before, "loss_after": after, "steps": steps, "resumed_from": first,
+            "seconds": time.time() - start, "cache_seconds": cache_seconds, "texts": len(cache[0]),
+            "parameters": sum(p.numel() for p in params), "last_batch_loss": last}
+
+
+@contextlib.contextmanager
+def _only_trainable(model: nn.Module, params: list[nn.Parameter]):
+    """``params`` require grad and every other parameter of ``model`` does not; restored after."""
     frozen = [p for p in model.parameters() if all(p is not q for q in params)]
     saved_flags = [p.requires_grad for p in frozen]
     for p in frozen:
         p.requires_grad_(False)
     for p in params:
         p.requires_grad_(True)
-    opt = torch.optim.Adam(params, lr=lr)
-    gen = torch.Generator().manual_seed(seed)
-    first = 0
-    ckpt = Path(checkpoint) if checkpoint is not None else None
-    if ckpt is not None and ckpt.exists():
-        state = torch.load(ckpt, weights_only=True)
-        with torch.no_grad():
-            for p, value in zip(params, state["params"]):
-                p.copy_(value)
-        opt.load_state_dict(state["optimizer"])
-        gen.set_state(state["generator"])
-        first = int(state["step"])
-    before = layer_losses(model, cache) if first == 0 else None
+    try:
+        yield
+    finally:
+        for p, flag in zip(frozen, saved_flags):
+            p.requires_grad_(flag)
+
+
+def _resume(ckpt: Path | None, params: list[nn.Parameter], opt: torch.optim.Optimizer,
+            gen: torch.Generator) -> int:
+    """Restore parameters, optimiser and text order from ``ckpt`` if it exists; the step to start at."""
+    if ckpt is None or not ckpt.exists():
+        return 0
+    state = torch.load(ckpt, weights_only=True)
+    with torch.no_grad():
+        for p, value in zip(params, state["params"]):
+            p.copy_(value)
+    opt.load_state_dict(state["optimizer"])
+    gen.set_state(state["generator"])
+    return int(state["step"])
+
+
+def _steps(layers: list, cache: list[list[dict[str, Any]]], params: list[nn.Parameter], opt: torch.optim.Optimizer,
+           gen: torch.Generator, steps: range, *, batch_size: int, ckpt: Path | None, checkpoint_every: int,
+           progress: bool) -> float:
+    """The optimisation steps ``steps`` (a checkpoint every ``checkpoint_every``); the mean layer
+    loss of the last batch (NaN when there was no step)."""
     n_texts = len(cache[0])
-    bar = _bar(max(steps - first, 0), "attention transfer", progress)
+    bar = _bar(len(steps), "attention transfer", progress)
     last = float("nan")
     try:
-        for step in range(first, steps):
+        for step in steps:
             idx = torch.randperm(n_texts, generator=gen)[:batch_size].tolist()
             opt.zero_grad(set_to_none=True)
             total = 0.0
@@ -183,9 +214,4 @@ def transfer(model: nn.Module, texts: list[str], tokenizer, *, steps: int = 200,
                             "optimizer": opt.state_dict(), "generator": gen.get_state()}, ckpt)
     finally:
         bar.close()
-        for p, flag in zip(frozen, saved_flags):
-            p.requires_grad_(flag)
-    after = layer_losses(model, cache)
-    return {"loss_before": before, "loss_after": after, "steps": steps, "resumed_from": first,
-            "seconds": time.time() - start, "cache_seconds": cache_seconds, "texts": n_texts,
-            "parameters": sum(p.numel() for p in params), "last_batch_loss": last}
+    return last
