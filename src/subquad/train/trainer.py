@@ -478,7 +478,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def _train(cfg: TrainConfig, ctx: DistributedContext) -> dict[str, Any]:
-    """The phases of a run: resume state, data, model, the loop of steps, then the test."""
+    """The phases of a run: resume state (:func:`_read_checkpoint`), data and model (:class:`_Run`),
+    the loop of :meth:`_Run.train_step` with :meth:`_Run.validate` and :meth:`_Run.save_checkpoint`,
+    then :meth:`_Run.finish` (test, model.pt, results.json) or :meth:`_Run.stop` (out of time)."""
     out_dir = Path(cfg.out_dir)
     if cfg.batch_size % ctx.world_size:
         raise ValueError(f"batch_size ({cfg.batch_size}) must be divisible by the number of processes "
@@ -495,9 +497,7 @@ def _train(cfg: TrainConfig, ctx: DistributedContext) -> dict[str, Any]:
             if run.step % cfg.checkpoint_every == 0 or run.step == cfg.steps or out_of_time:
                 run.save_checkpoint()
             if out_of_time and run.step < cfg.steps:
-                run.say(f"stopped at step {run.step} of {cfg.steps} after {cfg.max_minutes} minutes; the "
-                        f"checkpoint is in {run.ckpt_path}: run again with resume (--resume) to continue", flush=True)
-                return {"stopped": True, "step": run.step, "steps": cfg.steps, "checkpoint": str(run.ckpt_path)}
+                return run.stop()
         return run.finish()
     finally:
         run.close()
@@ -553,14 +553,17 @@ class _Run:
         self.local_batch = cfg.batch_size // ctx.world_size
         self.say = print if ctx.is_main else (lambda *a, **k: None)
         self.data = _Splits.load(cfg)
-        self._build()
+        _seed_all(cfg.seed)  # the initial weights
+        self._build_model()
+        self._build_sampler()
+        _seed_all(cfg.seed + 1 + ctx.rank)  # training randomness (dropout, stochastic methods), per process
         self.step = 0
         self.best: dict[str, Any] = {"accuracy": -1.0, "step": 0}
         self.best_state: dict[str, torch.Tensor] | None = None
         self.window = dict.fromkeys(("loss", "correct", "samples", "tokens", "seconds"), 0.0)
         self.elapsed_before = 0.0
         if resume_state is not None:
-            self._restore(resume_state)
+            self._resume(resume_state)
         self.metrics = None
         if ctx.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -570,10 +573,9 @@ class _Run:
         self.progress = _Progress(ctx.is_main and cfg.progress is not False, cfg.progress, cfg.steps, self.step)
         self.net.train()
 
-    def _build(self) -> None:
-        """Model (wrapped for DDP), optimiser, schedule and sampler; then the training RNG."""
+    def _build_model(self) -> None:
+        """Model (wrapped for DDP), optimiser and learning-rate schedule."""
         cfg, ctx = self.cfg, self.ctx
-        _seed_all(cfg.seed)
         self.model, self.attn_dropout = _build_model(cfg, ctx.device)
         self.net: torch.nn.Module = self.model
         if ctx.distributed:
@@ -584,6 +586,10 @@ class _Run:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda e: lr_factor(e + 1, warmup=cfg.warmup_steps, total=cfg.steps, schedule=cfg.schedule))
+
+    def _build_sampler(self) -> None:
+        """This process's stream of training batches and what their length is rounded up to."""
+        cfg, ctx = self.cfg, self.ctx
         lengths = self.data.train.data.lengths()
         if cfg.batching == "bucket":
             self.sampler = BucketBatchSampler(lengths, self.local_batch, world_size=ctx.world_size, rank=ctx.rank,
@@ -592,9 +598,9 @@ class _Run:
             self.sampler = ShardedBatchSampler(len(lengths), self.local_batch, world_size=ctx.world_size,
                                                rank=ctx.rank, seed=cfg.seed)
         self.multiple = pad_multiple(cfg)
-        _seed_all(cfg.seed + 1 + ctx.rank)  # training randomness (dropout, stochastic methods), per process
 
-    def _restore(self, state: dict[str, Any]) -> None:
+    def _resume(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint: weights, optimiser, schedule, data position, RNG, loop state."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -722,6 +728,12 @@ class _Run:
         self.model.load_state_dict(final_state)
         self.log_row("test_best_val", b_loss, b_acc, t_n)
         return t_loss, t_acc, t_n, b_acc
+
+    def stop(self) -> dict[str, Any]:
+        """Out of time before the last step: the checkpoint is written; say how to continue."""
+        self.say(f"stopped at step {self.step} of {self.cfg.steps} after {self.cfg.max_minutes} minutes; the "
+                 f"checkpoint is in {self.ckpt_path}: run again with resume (--resume) to continue", flush=True)
+        return {"stopped": True, "step": self.step, "steps": self.cfg.steps, "checkpoint": str(self.ckpt_path)}
 
     def finish(self) -> dict[str, Any]:
         """Test, then ``model.pt`` and ``results.json``; the resume checkpoint is removed."""
