@@ -1,6 +1,7 @@
 """Helpers of the RA and LARA op tests (``test_ra.py``, ``test_lara.py``): seeded inputs, and the
-estimator invariants both must keep (outputs are convex combinations of the real values, padded
-positions never change real outputs, low-precision inputs)."""
+estimator invariants both must keep (:func:`check_invariants`: outputs are convex
+combinations of the real values, padded positions never change real outputs, low-precision
+inputs)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,13 @@ def gen(seed=1):
 
 def mean_abs_error(out, exact):
     return (out - exact).abs().mean().item()
+
+
+def assert_unbiased_convergence(errors, final_bound):
+    """``errors`` at 16x more samples each: an unbiased estimator's error goes like S^{-1/2}, so
+    every step should cut it by about 4x (at least 2x here), down to ``final_bound``."""
+    assert errors[1] < 0.5 * errors[0] and errors[2] < 0.5 * errors[1], errors
+    assert errors[2] < final_bound, errors
 
 
 def assert_convex_combinations_of_values(op, opts):
@@ -65,3 +73,12 @@ def assert_low_precision_inputs(op, opts, deterministic):
     if deterministic:
         ref = op(q, k, v, **opts)
         torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
+
+
+def check_invariants(op, opts, *, deterministic):
+    """All of the above for ``op`` with ``opts``: self- and cross-attention padding, and the
+    float64 agreement of low-precision inputs when the mode is ``deterministic``."""
+    assert_convex_combinations_of_values(op, opts)
+    for n, m in [(8, 8), (6, 10)]:
+        assert_padded_positions_never_change_real_outputs(op, opts, n, m)
+    assert_low_precision_inputs(op, opts, deterministic)
