@@ -66,7 +66,6 @@ def _feature_attention(omega: Tensor, k_paper: Tensor, v: Tensor, key_padding_ma
     return F.scaled_dot_product_attention(w_aug, k_aug, v, attn_mask=bias, scale=1.0)
 
 
-
 @torch.no_grad()
 def _sample_key_indices(q, k, key_padding_mask, scale, num_samples, generator) -> Tensor:
     """``(B, H, N, S)`` key indices, each drawn from the (masked) softmax row of its query;

@@ -12,12 +12,11 @@ Nothing of size N x N is formed, forward or backward: at a fixed block size the 
 Convention (as the spec): row i of ``P`` is the destination (the query block that receives),
 column j the source block.
 
-Also here (:mod:`.lra`): :func:`lra_sinkhorn_attention`, the computation of the Long Range Arena
+Beside it (:mod:`.lra`): :func:`lra_sinkhorn_attention`, the computation of the Long Range Arena
 reference code (strided blocks, summed-block contraction, separate softmaxes), kept only as a
 compatibility mode for ``MultiheadAttention(method="sinkhorn", lra_compat=True)``; it is not the
-paper's method. The block structure both share is in :mod:`.blocks`.
+paper's method. The block structure both share is in :mod:`.blocks`; the slow reference of both in ``naive.py``.
 """
-
 
 from __future__ import annotations
 
@@ -262,7 +261,6 @@ def _sorted_attention(qc, kc, vc, perms, slot_ok, slot_bias, keep, causal, b, sc
     # [sorted slots ; own block] per block, (B, H, NB, (t + 1) * b, d)
     keys, values = _JointBlocks.apply(perms, kc, b), _JointBlocks.apply(perms, vc, b)
     return _blocked(qc, keys, values, slot_ok, slot_bias, keep, causal, b, scale)
-
 
 
 def _with_bias_column(q: Tensor, keys: Tensor, key_bias: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:

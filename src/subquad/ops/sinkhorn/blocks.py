@@ -186,7 +186,6 @@ def _slot_counts(support: Tensor | None, num_blocks: int, device) -> Tensor:
     return support.sum(-1)
 
 
-
 def _attend(q: Tensor, k: Tensor, v: Tensor, ok: Tensor | None, scale: float) -> Tensor:
     """Softmax attention. ``ok``: bool, broadcastable to the logits, True = key visible; hidden
     keys get a finite large negative logit and a query with no visible key outputs 0. Blocked

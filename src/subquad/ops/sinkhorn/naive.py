@@ -132,7 +132,6 @@ def sinkhorn_attention_reference(
     return out[:, :, :N]
 
 
-
 def lra_sinkhorn_attention_reference(q, k, v, permutation, key_padding_mask=None, block_size=50, scale=None):
     """Slow reference of :func:`subquad.ops.sinkhorn.lra_sinkhorn_attention`: the LRA einsum written out literally
     (``sorted[s, n] = sum_k sum_l key[s, k] P[n, l]``) and explicit softmaxes per query."""
