@@ -10,13 +10,14 @@ import torch
 from torch import nn
 
 import subquad
-from conftest import right_padding
+from conftest import generic_options, right_padding
 from subquad.ops.performer import performer_attention
 
 ATTENTION_METHODS = [m.name for m in subquad.list_methods() if m.kind == "attention"]
 CAUSAL_METHODS = [name for name in ATTENTION_METHODS if subquad.get_method(name).causal]
 
-# options that make each method approximate (not an exact fallback) at N = 12
+# options that make each method approximate (not an exact fallback) at N = 12, over the registry
+# entry's test_options
 LAYER_OPTIONS = {
     "nystrom": {"num_landmarks": 4},
     "performer": {"num_features": 16},
@@ -50,7 +51,7 @@ def encoder_layer(method, seed=0, **options):
     subquad module with ``method``; the same seed gives the same weights for every method."""
     torch.manual_seed(seed)
     layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, batch_first=True)
-    opts = {**LAYER_OPTIONS.get(method, {}), **options}
+    opts = {**generic_options(method), **LAYER_OPTIONS.get(method, {}), **options}
     attn = subquad.MultiheadAttention(32, 4, batch_first=True, method=method, **opts)
     with torch.no_grad():
         attn.in_proj_weight.copy_(layer.self_attn.in_proj_weight)

@@ -18,6 +18,7 @@ from .nystrom import nystrom_attention
 from .ra import ra_attention
 from .lara import lara_attention
 from .sinkhorn import sinkhorn_attention
+from .hybrid import hybrid_attention
 from .decomposition import cd, factorize, nmf, vq
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "ra_attention",
     "lara_attention",
     "sinkhorn_attention",
+    "hybrid_attention",
     "nmf",
     "vq",
     "cd",

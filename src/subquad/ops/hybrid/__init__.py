@@ -1,0 +1,515 @@
+"""Hybrid attention: a local window and selected key groups attended exactly, and a coarse summary
+for every other key.
+
+For query ``i`` the keys fall in three sets:
+
+- the **window**: ``window`` keys around ``i`` (causal: ``i - window + 1 .. i``);
+- the **selected groups**: the ``num_selected`` key groups (leaves of ``block_size`` keys) that
+  score highest for ``i``; keys of a selected group that are in the window count once;
+- the **rest**, split by ``num_summaries`` coarse groups. A coarse group ``c`` enters as one
+  summary: its count ``n'`` and mean key and value over the keys of ``c`` that are not attended
+  exactly, weighted ``n' exp(s q.k') `` in the normaliser. So no key is silently dropped.
+
+Equivalently, it is softmax attention in which every key not attended exactly has its logit
+replaced by the mean logit of its coarse group's keys not attended exactly (``s q.k'`` is that
+mean). ``naive.py`` computes exactly this, densely.
+
+Grouping (``grouping``): ``"contiguous"`` blocks of positions, or ``"tree"``, keys grouped by
+similarity: split the keys recursively at the median of their top principal direction (power
+iteration) down to leaves of ``block_size``; the coarse groups are the tree's nodes at depth
+``log2(num_summaries)``. Scoring (``scoring``) of a group for a query (scale ``s``):
+``"second_order"``, ``s q.k_mean + log n + s^2 Var_j(q.k_j) / 2`` with the variance from the
+rank-2 principal part of the group's key deviations (the log of a group's attention mass to
+second order); ``"bounds"``, the largest ``s q.k`` a key within the group's elementwise key
+min/max box can reach (Quest, Tang et al. 2024); ``"mean"``, ``s q.k_mean`` (MoBA, Lu et al. 2025).
+The idea of compressed + selected + window terms follows Native Sparse Attention (Yuan et al.
+2025); grouping by key similarity follows clustered attention (Vyas et al. 2020).
+
+Budget: ``budget`` = keys attended exactly + summaries, per query. The parts not given are
+derived from it: ``num_summaries`` = the largest power of two <= ``budget / 8``, ``window`` =
+``budget // 4``, ``num_selected`` = ``(budget - window - num_summaries) // block_size``. At
+``budget >= M`` the op is exact attention.
+
+Causal mode uses contiguous groups only (a tree over all keys would let later keys steer the
+choice): the window, groups that end before the window, and summaries of the keys before the
+window, built from prefix sums, so nothing after ``i`` is read. Selection is discrete and has no
+gradient; everything else (window, selected keys, summaries) is differentiable.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ...checks import check_choice, check_int
+from ...registry import register_method
+from .._masks import compute_dtype, compute_precision
+from ..softmax import softmax_attention
+
+__all__ = ["HybridOptions", "HybridPlan", "hybrid_attention", "plan", "flops", "build_groups"]
+
+GROUPINGS = ("tree", "contiguous")
+SCORINGS = ("second_order", "bounds", "mean")
+
+
+@dataclass
+class HybridOptions:
+    """``budget``: keys attended exactly + summaries per query (default 64); ``window``,
+    ``block_size``, ``num_selected`` (groups attended exactly per query), ``num_summaries``
+    (coarse groups; a power of two for the tree): the parts, derived from the budget when None;
+    ``grouping``: ``"tree"`` or ``"contiguous"`` (None: tree, contiguous when causal);
+    ``scoring``: ``"second_order"``, ``"bounds"`` or ``"mean"``; ``query_group``: queries that
+    share one selection (by their mean query; 1 = per query; must be 1 when causal);
+    ``tree_iterations``: power-iteration steps per tree split; ``candidates``: leaves scored per
+    query (more leaves than this are chosen in two stages, see :func:`_candidates`)."""
+
+    budget: int = 64
+    window: int | None = None
+    block_size: int = 8
+    num_selected: int | None = None
+    num_summaries: int | None = None
+    grouping: str | None = None
+    scoring: str = "second_order"
+    query_group: int = 1
+    tree_iterations: int = 4
+    candidates: int = 256
+
+    def __post_init__(self):
+        check_int("hybrid", "budget", self.budget, minimum=1)
+        check_int("hybrid", "block_size", self.block_size, minimum=1)
+        check_int("hybrid", "query_group", self.query_group, minimum=1)
+        check_int("hybrid", "tree_iterations", self.tree_iterations, minimum=1)
+        check_int("hybrid", "candidates", self.candidates, minimum=1)
+        for name in ("window", "num_selected"):
+            if getattr(self, name) is not None:
+                check_int("hybrid", name, getattr(self, name), minimum=0)
+        if self.num_summaries is not None:
+            check_int("hybrid", "num_summaries", self.num_summaries, minimum=1)
+        if self.grouping is not None:
+            check_choice("hybrid", "grouping", self.grouping, GROUPINGS)
+        check_choice("hybrid", "scoring", self.scoring, SCORINGS)
+
+
+@dataclass(frozen=True)
+class HybridPlan:
+    """The resolved parts for one call: every field set."""
+
+    window: int
+    block_size: int
+    num_selected: int
+    num_summaries: int
+    grouping: str
+    scoring: str
+    query_group: int
+    tree_iterations: int
+    candidates: int
+
+
+def plan(o: HybridOptions, n_keys: int, causal: bool) -> HybridPlan:
+    """Split ``o.budget`` into window, selected groups and summaries (the rule in the module
+    docstring), and check the combination against the call."""
+    summaries = o.num_summaries
+    if summaries is None:
+        summaries = 1 << max(0, int(math.log2(max(1, o.budget // 8))))
+    window = o.budget // 4 if o.window is None else o.window
+    selected = o.num_selected
+    if selected is None:
+        selected = max(0, (o.budget - window - summaries) // o.block_size)
+    grouping = o.grouping or ("contiguous" if causal else "tree")
+    if causal and grouping != "contiguous":
+        raise ValueError("hybrid: causal=True needs grouping='contiguous' (a tree groups later keys with earlier ones)")
+    if causal and o.query_group != 1:
+        raise ValueError("hybrid: causal=True needs query_group=1 (a shared choice would read later queries)")
+    if grouping == "tree" and summaries & (summaries - 1):
+        raise ValueError(f"hybrid: num_summaries must be a power of two with grouping='tree', got {summaries}")
+    return HybridPlan(min(window, n_keys), o.block_size, selected, summaries, grouping, o.scoring,
+                      o.query_group, o.tree_iterations, o.candidates)
+
+
+# ----------------------------------------------------------------------------------------------
+# grouping
+
+
+def _rows(x: Tensor, idx: Tensor) -> Tensor:
+    """Rows of ``x`` ``(B, H, M, D)`` picked per head by ``idx`` ``(B, H, *shape)`` (values in
+    ``[0, M)``): ``(B, H, *shape, D)``. Copies whole rows (``index_select``), many times faster
+    than an elementwise ``gather`` with an expanded index."""
+    B, H, M, D = x.shape
+    base = (torch.arange(B * H, device=x.device) * M).view(B, H, *([1] * (idx.dim() - 2)))
+    return x.reshape(B * H * M, D).index_select(0, (idx + base).flatten()).view(*idx.shape, D)
+
+
+def _tree_depth(n_keys: int, block_size: int) -> int:
+    return max(0, math.ceil(math.log2(max(1, -(-n_keys // block_size)))))
+
+
+def _top_direction(x: Tensor, valid: Tensor, iterations: int) -> tuple[Tensor, Tensor]:
+    """Centred valid rows of ``x`` ``(..., n, D)`` (invalid rows zero) and their top principal
+    direction ``(..., D)``, by power iteration from the row farthest from the mean."""
+    count = valid.sum(-1, keepdim=True).clamp_min(1).unsqueeze(-1)
+    mean = (x * valid.unsqueeze(-1)).sum(-2, keepdim=True) / count
+    dev = (x - mean) * valid.unsqueeze(-1)
+    far = dev.square().sum(-1).argmax(-1, keepdim=True)
+    u = dev.gather(-2, far.unsqueeze(-1).expand(*far.shape, x.shape[-1])).squeeze(-2)
+    for _ in range(iterations):
+        u = (dev.transpose(-2, -1) @ (dev @ u.unsqueeze(-1))).squeeze(-1)
+        u = u / u.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+    return dev, u
+
+
+def build_groups(k: Tensor, valid: Tensor, p: HybridPlan) -> tuple[Tensor, Tensor, int]:
+    """Order the keys so that every leaf (``block_size`` slots) and every coarse group is a
+    contiguous run of slots.
+
+    k ``(B, H, M, D)``, valid ``(B, M)`` bool (True = a real key). Returns ``order``
+    ``(B, H, S)``, a permutation of ``0 .. S-1`` giving the key position in each slot (positions
+    ``>= M`` are padding slots), ``slot_valid`` ``(B, H, S)`` and ``coarse_size`` (slots per
+    coarse group). Contiguous: slots are positions, ``S`` is ``M`` rounded up to whole coarse
+    groups of whole leaves. Tree: ``S = block_size * 2**depth``; at each level every node's
+    slots are sorted by the projection of their keys on the node's top principal direction
+    (invalid slots last) and split in halves."""
+    B, H, M, D = k.shape
+    bs = p.block_size
+    if p.grouping == "contiguous":
+        coarse = -(-M // (p.num_summaries * bs)) * bs
+        S = coarse * p.num_summaries
+    else:
+        depth = max(_tree_depth(M, bs), int(math.log2(p.num_summaries)))
+        S = bs << depth
+        coarse = S // p.num_summaries
+    order = torch.arange(S, device=k.device).expand(B, H, S).contiguous()
+    slot_valid = F.pad(valid, (0, S - M)).unsqueeze(1).expand(B, H, S).contiguous()
+    if p.grouping == "contiguous":
+        return order, slot_valid, coarse
+    for level in range(int(math.log2(S // bs))):
+        nodes = 1 << level
+        x = _rows(k, order.clamp_max(M - 1)).view(B, H, nodes, S // nodes, D)
+        sv = slot_valid.view(B, H, nodes, S // nodes)
+        dev, u = _top_direction(x, sv, p.tree_iterations)
+        proj = (dev @ u.unsqueeze(-1)).squeeze(-1).masked_fill(~sv, math.inf)
+        rank = proj.argsort(dim=-1, stable=True)
+        order = order.view(B, H, nodes, -1).gather(-1, rank).view(B, H, S)
+        slot_valid = sv.gather(-1, rank).view(B, H, S)
+    return order, slot_valid, coarse
+
+
+# ----------------------------------------------------------------------------------------------
+# selection
+
+
+QUERY_BLOCK = 64  # (pooled) queries that share one set of candidate leaves in two-stage selection
+
+
+def leaves_per_node(n_leaves: int, candidates: int) -> int:
+    """Leaves per first-stage node: all of them (one stage) when there are at most
+    ``candidates``, else the power of two nearest above ``sqrt(n_leaves)``."""
+    if n_leaves <= candidates:
+        return n_leaves
+    return 1 << math.ceil(math.log2(math.sqrt(n_leaves)))
+
+
+def _phi(q: Tensor, scoring: str) -> Tensor:
+    """Query features the group vectors are matched against (``bounds``: the positive and the
+    negative part of q, against the group's elementwise key max and min)."""
+    return torch.cat([q.clamp_min(0), q.clamp_max(0)], -1) if scoring == "bounds" else q
+
+
+def _principal(dev: Tensor, r: int) -> Tensor:
+    """``sigma_t v_t`` of the top ``r`` singular pairs of each ``(n, D)`` matrix ``dev``
+    ``(..., n, D)`` -> ``(..., r, D)``, from the smaller of its Gram and covariance matrices."""
+    n, D = dev.shape[-2:]
+    r = min(r, n, D)
+    if n <= D:
+        _, evecs = torch.linalg.eigh(dev @ dev.transpose(-2, -1))
+        return evecs[..., -r:].transpose(-2, -1) @ dev
+    evals, evecs = torch.linalg.eigh(dev.transpose(-2, -1) @ dev)
+    return (evecs[..., -r:] * evals[..., None, -r:].clamp_min(0).sqrt()).transpose(-2, -1)
+
+
+def group_vectors(x: Tensor, sv: Tensor, scoring: str) -> tuple[Tensor, Tensor]:
+    """What a group of keys is scored by. x ``(..., G, n, D)``, sv ``(..., G, n)`` (real keys)
+    -> vectors ``(..., G, r, Dphi)`` and key counts ``(..., G)``. ``mean``: the mean key;
+    ``bounds``: the elementwise max and min, as one vector; ``second_order``: the mean key and
+    the rank-2 principal part of the deviations."""
+    count = sv.sum(-1)
+    w = sv.unsqueeze(-1).to(x.dtype)
+    mean = (x * w).sum(-2) / count.clamp_min(1).unsqueeze(-1).to(x.dtype)
+    if scoring == "mean":
+        return mean.unsqueeze(-2), count
+    if scoring == "bounds":
+        big = torch.finfo(x.dtype).max
+        hi = x.masked_fill(~sv.unsqueeze(-1), -big).amax(-2)
+        lo = x.masked_fill(~sv.unsqueeze(-1), big).amin(-2)
+        empty = (count == 0).unsqueeze(-1)
+        return torch.cat([hi.masked_fill(empty, 0.0), lo.masked_fill(empty, 0.0)], -1).unsqueeze(-2), count
+    return torch.cat([mean.unsqueeze(-2), _principal((x - mean.unsqueeze(-2)) * w, 2)], -2), count
+
+
+def group_scores(phi: Tensor, vecs: Tensor, count: Tensor, scoring: str, scale: float) -> Tensor:
+    """phi ``(..., Q, Dphi)``, vecs ``(..., G, r, Dphi)``, count ``(..., G)`` -> ``(..., Q, G)``;
+    -inf for a group without keys."""
+    G, r = vecs.shape[-3], vecs.shape[-2]
+    proj = (phi @ vecs.flatten(-3, -2).transpose(-2, -1)).unflatten(-1, (G, r))
+    score = proj[..., 0] * scale
+    if scoring == "second_order":
+        n = count.clamp_min(1).to(score.dtype).unsqueeze(-2)
+        score = score + n.log() + 0.5 * scale * scale * proj[..., 1:].square().sum(-1) / n
+    return score.masked_fill((count == 0).unsqueeze(-2), -math.inf)
+
+
+def _window_bounds(N: int, M: int, w: int, causal: bool, device) -> Tensor:
+    """First key position of each query's window ``(N,)`` (may be negative when causal)."""
+    i = torch.arange(N, device=device)
+    if causal:
+        return i - w + 1
+    center = (2 * i + 1) * M // (2 * N)
+    return (center - w // 2).clamp(0, M - w)
+
+
+def _candidates(phi, ko, slot_valid, lo, p: HybridPlan, scale: float, causal: bool):
+    """Candidate leaves of each (pooled) query and their scores, ``(B, H, Nq, C)`` each.
+
+    One stage (every leaf a candidate) up to ``p.candidates`` leaves. Beyond, two stages: the
+    leaves are gathered in nodes of :func:`leaves_per_node` consecutive leaves (subtrees of the
+    tree); every block of :data:`QUERY_BLOCK` queries takes the ``candidates // per_node`` nodes
+    with the highest score for any of its queries (causal: for its first query, among nodes that
+    end before that query's window), and each query scores the leaves of those nodes."""
+    B, H, S, D = ko.shape
+    bs, Nq = p.block_size, phi.shape[2]
+    L = S // bs
+    per_node = leaves_per_node(L, p.candidates)
+    nodes = -(-L // per_node)
+    pad = (nodes * per_node - L) * bs
+    ko, slot_valid = F.pad(ko, (0, 0, 0, pad)), F.pad(slot_valid, (0, pad))
+    vecs, count = group_vectors(ko.view(B, H, -1, bs, D), slot_valid.view(B, H, -1, bs), p.scoring)
+    if nodes == 1:
+        score = group_scores(phi, vecs, count, p.scoring, scale)
+        return score, torch.arange(L, device=ko.device).expand_as(score)
+    node_vecs, node_count = group_vectors(ko.view(B, H, nodes, -1, D), slot_valid.view(B, H, nodes, -1), p.scoring)
+    nb = -(-Nq // QUERY_BLOCK)
+    phib = F.pad(phi, (0, 0, 0, nb * QUERY_BLOCK - Nq)).unflatten(2, (nb, QUERY_BLOCK))
+    node_score = group_scores(phib, node_vecs.unsqueeze(2), node_count.unsqueeze(2), p.scoring, scale)
+    if causal:  # the block's first query, among nodes that end before its window
+        first = lo[:: QUERY_BLOCK].clamp_min(0)
+        ends = (torch.arange(nodes, device=ko.device) + 1) * per_node * bs
+        block_score = node_score[:, :, :, 0].masked_fill(ends[None, :] > first[:, None], -math.inf)
+    else:
+        rows = torch.arange(nb * QUERY_BLOCK, device=ko.device).view(nb, QUERY_BLOCK, 1) < Nq
+        block_score = node_score.masked_fill(~rows, -math.inf).amax(3)
+    top, node = block_score.topk(min(max(1, p.candidates // per_node), nodes), dim=-1)  # (B, H, nb, c)
+    cand = (node.unsqueeze(-1) * per_node + torch.arange(per_node, device=ko.device)).flatten(-2)
+    r, dphi = vecs.shape[-2:]
+    cvecs = _rows(vecs.flatten(-2), cand).unflatten(-1, (r, dphi))  # (B, H, nb, C, r, Dphi)
+    ccount = count.gather(2, cand.flatten(2)).view(cand.shape)
+    score = group_scores(phib, cvecs, ccount, p.scoring, scale)  # (B, H, nb, QB, C)
+    score = score.masked_fill(~(top > -math.inf).repeat_interleave(per_node, -1).unsqueeze(-2), -math.inf)
+    cand = cand.unsqueeze(3).expand_as(score)
+    return score.flatten(2, 3)[:, :, :Nq], cand.flatten(2, 3)[:, :, :Nq]
+
+
+def _select(phi, ko, slot_valid, lo, p: HybridPlan, N: int, M: int, scale: float, causal: bool):
+    """Top ``num_selected`` leaves per query: indices ``(B, H, N, s)`` and whether each pick is
+    a real one (a query with fewer candidate leaves gets fewer)."""
+    score, cand = _candidates(phi, ko, slot_valid, lo, p, scale, causal)
+    if p.query_group > 1:
+        score = score.repeat_interleave(p.query_group, dim=2)[:, :, :N]
+        cand = cand.repeat_interleave(p.query_group, dim=2)[:, :, :N]
+    if p.grouping == "contiguous":
+        start = cand * p.block_size
+        end = start + p.block_size  # exclusive
+        if causal:  # only leaves that end before the window
+            blocked = end > lo[:, None].clamp_min(0)
+        else:  # skip leaves that lie inside the window
+            blocked = (start >= lo[:, None]) & (end.clamp_max(M) <= lo[:, None] + p.window)
+        score = score.masked_fill(blocked, -math.inf)
+    top, idx = score.topk(min(p.num_selected, score.shape[-1]), dim=-1)
+    last = slot_valid.shape[-1] // p.block_size - 1  # a pick of an (empty) padding leaf is no pick
+    return cand.gather(-1, idx).clamp_max(last), top > -math.inf
+
+
+# ----------------------------------------------------------------------------------------------
+# attention
+
+
+def _exact_positions(order, slot_valid, leaf, picked, lo, valid, p: HybridPlan, causal: bool):
+    """Key positions attended exactly ``(B, H, N, E)`` and whether each is a real one: the
+    window first, then the selected leaves' keys that are real and outside the window."""
+    B, H, S = order.shape
+    N, M = lo.shape[0], valid.shape[-1]
+    i = torch.arange(N, device=lo.device)
+    win = lo[:, None] + torch.arange(p.window, device=lo.device)  # (N, w)
+    win_ok = (win >= 0) & (win < M)
+    if causal:
+        win_ok &= win <= i[:, None]
+    win = win.clamp(0, M - 1)
+    win_ok = win_ok & valid[:, win]  # (B, N, w)
+    slots = (leaf.unsqueeze(-1) * p.block_size + torch.arange(p.block_size, device=lo.device)).flatten(-2)
+    flat = slots.flatten(2)
+    sel = order.gather(2, flat).view(slots.shape)
+    sel_ok = slot_valid.gather(2, flat).view(slots.shape) & picked.repeat_interleave(p.block_size, -1)
+    sel_ok &= (sel < lo[:, None]) | (sel >= lo[:, None] + p.window)  # window keys count once
+    pos = torch.cat([win.expand(B, H, N, p.window), sel.clamp_max(M - 1)], dim=-1)
+    ok = torch.cat([win_ok.unsqueeze(1).expand(B, H, N, p.window), sel_ok], dim=-1)
+    return pos, ok
+
+
+def _slot_sums(ko, vo, slot_valid, coarse_size):
+    """Per slot, grouped by coarse group: valid ``(B, H, G, C, 1)``, keys ``(B, H, G, C, D)`` and
+    values ``(B, H, G, C, Dv)``, zero in invalid slots (``ko``, ``vo``: keys, values in slot order)."""
+    B, H, S, _ = ko.shape
+    w = slot_valid.to(ko.dtype).unsqueeze(-1)
+    ks, vs = ko * w, vo * w
+    G = S // coarse_size
+    return w.view(B, H, G, coarse_size, 1), ks.view(B, H, G, coarse_size, -1), vs.view(B, H, G, coarse_size, -1)
+
+
+def _pooled(q: Tensor, g: int) -> Tensor:
+    """The mean query of each run of ``g`` queries ``(B, H, ceil(N / g), D)`` (the last run may
+    be shorter)."""
+    N = q.shape[2]
+    sums = F.pad(q, (0, 0, 0, -N % g)).unflatten(2, (-1, g)).sum(3)
+    sizes = (N - torch.arange(0, N, g, device=q.device)).clamp_max(g)
+    return sums / sizes.to(q.dtype)[:, None]
+
+
+def _hybrid_core(q, k, v, valid, causal: bool, scale: float, p: HybridPlan) -> Tensor:
+    B, H, N, D = q.shape
+    M = k.shape[2]
+    with torch.no_grad():
+        order, slot_valid, coarse_size = build_groups(k, valid, p)
+    ko, vo = _rows(k, order.clamp_max(M - 1)), _rows(v, order.clamp_max(M - 1))
+    with torch.no_grad():
+        lo = _window_bounds(N, M, p.window, causal, q.device)
+        phi = _phi(q if p.query_group == 1 else _pooled(q, p.query_group), p.scoring)
+        leaf, picked = _select(phi, ko.detach(), slot_valid, lo, p, N, M, scale, causal)
+        pos, ok = _exact_positions(order, slot_valid, leaf, picked, lo, valid, p, causal)
+        # the coarse group of every key position: invert the slot order
+        slot_group = (torch.arange(order.shape[-1], device=q.device) // coarse_size).expand_as(order)
+        group_of = torch.empty_like(order).scatter_(2, order, slot_group)[..., :M]
+        egroup = group_of.gather(2, pos.flatten(2)).view(pos.shape)
+    ke, ve = _rows(k, pos), _rows(v, pos)  # (B, H, N, E, D | Dv)
+    logits = (ke @ q.unsqueeze(-1)).squeeze(-1) * scale  # (B, H, N, E)
+    cnt, ks, vs = _slot_sums(ko, vo, slot_valid, coarse_size)
+    if causal:
+        qk, count, values, egroup, sub = _causal_summaries(q, cnt, ks, vs, egroup, pos, ok, p.window)
+    else:
+        vsum = vs.sum(3)
+        qk, count, sub = q @ ks.sum(3).transpose(-2, -1), cnt.sum(3).squeeze(-1).unsqueeze(2), ok
+
+        def values(pc):
+            return pc @ vsum
+
+    return _combine(logits, ve, ok, sub, egroup, qk * scale, count, values)
+
+
+def _causal_summaries(q, cnt, ks, vs, egroup, pos, ok, window):
+    """Causal: the summarised region of query ``i`` is the keys before its window, ``[0, a_i)``.
+    Groups that end by ``a_i`` enter whole; the group holding ``a_i`` enters with the part
+    before ``a_i`` (within-group prefix sums) as an extra column ``G``, per query. Returns
+    ``q . key sums`` ``(B, H, N, G+1)``, counts, the value function, each exact key's column and
+    which exact keys leave a summary (those before ``a_i``: the selected ones)."""
+    B, H, G, C, _ = cnt.shape
+    N = q.shape[2]
+    a = (torch.arange(N, device=q.device) - window + 1).clamp_min(0)
+    g_a, r_a = (a // C).clamp_max(G - 1), a % C  # a_i < N <= G C, so g_a < G
+    full = torch.arange(G, device=q.device)[None, :] < g_a[:, None]  # (N, G)
+    pre_c, pre_k, pre_v = (F.pad(t.cumsum(3), (0, 0, 1, 0))[:, :, :, :-1] for t in (cnt, ks, vs))
+    part_c, part_k, part_v = (t[:, :, g_a, r_a] for t in (pre_c, pre_k, pre_v))  # (B, H, N, .)
+    tot_k, tot_v = ks.sum(3), vs.sum(3)
+    qk = torch.cat([q @ tot_k.transpose(-2, -1), (q * part_k).sum(-1, keepdim=True)], dim=-1)
+    count = torch.cat([cnt.sum(3).squeeze(-1).unsqueeze(2) * full, part_c], dim=-1)
+    egroup = torch.where(egroup == g_a[:, None], G, egroup)
+    sub = ok & (pos < a[:, None])
+
+    def values(pc):
+        return pc[..., :G] @ tot_v + pc[..., G:] * part_v
+
+    return qk, count, values, egroup, sub
+
+
+def _combine(logits, ve, ok, sub, egroup, qk, count, values):
+    """Softmax over the exact keys and the summaries.
+
+    ``logits`` ``(B, H, N, E)`` of the exact keys (``ok``: real ones), their values ``ve``;
+    ``qk`` ``(B, H, N, G)``: scaled ``q . (key sum)`` of each summary column before taking out
+    exact keys, ``count`` ``(B, H, N or 1, G)`` its keys; ``sub`` marks exact keys to take out
+    of their column ``egroup``; ``values(p)`` maps column weights ``(B, H, N, G)`` to
+    ``sum_c p_c (value sum of c)``. A summary's logit is the mean logit of what is left in it."""
+    subf = sub.to(logits.dtype)
+    zeros = torch.zeros_like(qk)
+    rest = count - zeros.scatter_add(-1, egroup, subf)
+    lc = (qk - zeros.scatter_add(-1, egroup, logits * subf)) / rest.clamp_min(1.0)
+    lc = lc.masked_fill(rest < 0.5, -math.inf)
+    le = logits.masked_fill(~ok, -math.inf)
+    m = torch.maximum(le.amax(-1, keepdim=True), lc.amax(-1, keepdim=True)).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    pe, pc = torch.exp(le - m), torch.exp(lc - m)
+    we = pe - pc.gather(-1, egroup) * subf  # exact keys out of their summary's value sum
+    num = (we.unsqueeze(-2) @ ve).squeeze(-2) + values(pc)
+    den = pe.sum(-1, keepdim=True) + (pc * rest.clamp_min(0.0)).sum(-1, keepdim=True)
+    return num / torch.where(den > 0, den, torch.ones_like(den))
+
+
+def flops(B, H, N, M, D, Dv, o) -> int:
+    """Matmul FLOPs of one non-causal forward (tree or contiguous grouping, per-query selection)."""
+    if o["budget"] >= M:
+        return 2 * B * H * N * M * (D + Dv)
+    p = plan(HybridOptions(**o), M, False)
+    bs = p.block_size
+    if p.grouping == "tree":
+        depth = max(_tree_depth(M, bs), int(math.log2(p.num_summaries)))
+        S = bs << depth
+        tree = depth * p.tree_iterations * 2 * (2 * S * D)  # u <- X^T (X u) per split
+        tree += depth * 2 * S * D  # the final projection
+    else:
+        coarse = -(-M // (p.num_summaries * bs)) * bs
+        S = coarse * p.num_summaries
+        tree = 0
+    L = S // bs
+    nq = -(-N // p.query_group)
+    vectors = {"mean": 1, "bounds": 2, "second_order": 3}[p.scoring]
+    scoring = 2 * nq * L * D * vectors
+    if p.scoring == "second_order":
+        r = min(2, bs)
+        scoring += 2 * L * bs * bs * D + 2 * L * r * bs * D  # gram and the principal vectors
+    E = p.window + p.num_selected * bs
+    G = p.num_summaries
+    attend = 2 * N * E * D + 2 * N * G * D + 2 * N * E * Dv + 2 * N * G * Dv
+    return B * H * (tree + scoring + attend)
+
+
+@register_method(
+    "hybrid",
+    options=HybridOptions,
+    summary="window + selected key groups exactly + coarse summaries of the rest",
+    causal=True,
+    cross_attention=True,
+    complexity="linear",
+    flops=flops,
+    test_options={"budget": 9, "block_size": 2, "window": 3, "num_selected": 2, "num_summaries": 2},
+)
+def hybrid_attention(q, k, v, key_padding_mask, causal, scale, *, budget, window, block_size, num_selected,
+                     num_summaries, grouping, scoring, query_group, tree_iterations, candidates):
+    """Hybrid attention (see the module docstring).
+
+    Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
+    Padded keys are never attended, selected or summarised; a query with no real key outputs
+    zeros. Computes in float32 (float64 stays float64), also under autocast."""
+    M = k.shape[2]
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    o = HybridOptions(budget, window, block_size, num_selected, num_summaries, grouping, scoring, query_group,
+                      tree_iterations, candidates)
+    p = plan(o, M, causal)
+    if budget >= M:
+        return softmax_attention(q, k, v, key_padding_mask=key_padding_mask, causal=causal, scale=scale)
+    dtype = compute_dtype(q.dtype)
+    with compute_precision(q):
+        valid = (torch.ones(q.shape[0], M, dtype=torch.bool, device=q.device) if key_padding_mask is None
+                 else ~key_padding_mask)
+        out = _hybrid_core(q.to(dtype), k.to(dtype), v.to(dtype), valid, causal, scale, p)
+    return out.to(q.dtype)

@@ -1,0 +1,185 @@
+"""Hybrid attention: the fast op against its plain definition (``naive.py``) in values and
+gradients, over groupings, scorings, causal and cross lengths, padding, query groups and the
+two-stage selection; masks, causality, the budget rule and exactness at full budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import subquad.ops.hybrid as hybrid
+from conftest import qkv
+from subquad.ops.hybrid import HybridOptions, hybrid_attention, plan
+from subquad.ops.hybrid.naive import hybrid_attention_naive
+from subquad.ops.softmax.naive import softmax_attention_reference
+
+SMALL = dict(budget=12, block_size=2, window=3, num_selected=2, num_summaries=2)
+
+CASES = [
+    # (N, M, causal, grouping, scoring, query_group, candidates)
+    (13, 13, False, "tree", "second_order", 1, 256),
+    (13, 13, False, "contiguous", "bounds", 1, 256),
+    (13, 17, False, "tree", "mean", 1, 256),
+    (16, 16, True, "contiguous", "second_order", 1, 256),
+    (11, 11, True, "contiguous", "mean", 1, 256),
+    (13, 13, False, "tree", "second_order", 3, 256),
+    (9, 23, False, "contiguous", "second_order", 2, 256),
+    # two stages: more leaves than candidates
+    (29, 29, False, "tree", "second_order", 1, 3),
+    (30, 30, True, "contiguous", "second_order", 1, 3),
+    (29, 37, False, "contiguous", "bounds", 1, 4),
+    (21, 40, False, "tree", "mean", 2, 2),
+    (33, 33, True, "contiguous", "bounds", 1, 2),
+]
+
+
+def _mask(m):
+    mask = torch.zeros(2, m, dtype=torch.bool)
+    mask[0, -3:] = True
+    mask[1, 1:4] = True
+    return mask
+
+
+@pytest.fixture(params=[64, 4], ids=["block64", "block4"])
+def query_block(request, monkeypatch):
+    """Queries sharing candidates in two-stage selection: the default, and small enough that
+    the tiny test lengths hold several blocks."""
+    monkeypatch.setattr(hybrid, "QUERY_BLOCK", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("masked", [False, True])
+def test_matches_naive(case, masked, query_block):
+    n, m, causal, grouping, scoring, group, candidates = case
+    q, k, v = qkv(2, 2, n, 8, m=m, dv=5, seed=n + m)
+    mask = _mask(m) if masked else None
+    opts = dict(SMALL, grouping=grouping, scoring=scoring, query_group=group, candidates=candidates)
+    out = hybrid_attention(q, k, v, key_padding_mask=mask, causal=causal, **opts)
+    ref = hybrid_attention_naive(q, k, v, mask, causal, None, **opts)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[7], CASES[9]], ids=lambda c: "-".join(map(str, c)))
+def test_gradients_match_naive(case):
+    n, m, causal, grouping, scoring, group, candidates = case
+    q, k, v = qkv(1, 2, n, 8, m=m, dv=5, seed=3, requires_grad=True)
+    mask = _mask(m)[:1]
+    opts = dict(SMALL, grouping=grouping, scoring=scoring, query_group=group, candidates=candidates)
+    w = torch.randn(1, 2, n, 5, dtype=torch.float64)
+    fast = torch.autograd.grad((hybrid_attention(q, k, v, key_padding_mask=mask, causal=causal, **opts) * w).sum(),
+                               (q, k, v))
+    slow = torch.autograd.grad((hybrid_attention_naive(q, k, v, mask, causal, None, **opts) * w).sum(), (q, k, v))
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+def test_gradcheck():
+    q, k, v = qkv(1, 1, 9, 4, dv=3, seed=5, requires_grad=True)
+    opts = dict(SMALL, grouping="tree")
+    assert torch.autograd.gradcheck(lambda a, b, c: hybrid_attention(a, b, c, **opts), (q, k, v))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_full_budget_is_exact(causal):
+    q, k, v = qkv(2, 2, 11, 8, seed=1)
+    mask = _mask(11)
+    out = hybrid_attention(q, k, v, key_padding_mask=mask, causal=causal, budget=11)
+    torch.testing.assert_close(out, softmax_attention_reference(q, k, v, mask, causal=causal), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_no_summary_and_everything_selected_is_exact(causal):
+    # every key in the window or a selected group: the estimator is exact attention
+    q, k, v = qkv(1, 2, 12, 8, seed=2)
+    out = hybrid_attention(q, k, v, causal=causal, budget=11, window=12, num_selected=0, num_summaries=1,
+                           grouping="contiguous", block_size=4)
+    torch.testing.assert_close(out, softmax_attention_reference(q, k, v, causal=causal), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("grouping", ["tree", "contiguous"])
+def test_padded_keys_have_no_influence(grouping):
+    q, k, v = qkv(2, 2, 15, 8, seed=4)
+    mask = _mask(15)
+    out = hybrid_attention(q, k, v, key_padding_mask=mask, grouping=grouping, **{**SMALL, "num_summaries": 2})
+    k2, v2 = k.clone(), v.clone()
+    k2[mask[:, None, :, None].expand_as(k)] = 1e3
+    v2[mask[:, None, :, None].expand_as(v)] = -1e3
+    out2 = hybrid_attention(q, k2, v2, key_padding_mask=mask, grouping=grouping, **SMALL)
+    torch.testing.assert_close(out, out2, rtol=1e-12, atol=1e-12)
+
+
+def test_fully_padded_row_is_zero():
+    q, k, v = qkv(2, 1, 10, 8, seed=6)
+    mask = torch.zeros(2, 10, dtype=torch.bool)
+    mask[1] = True
+    out = hybrid_attention(q, k, v, key_padding_mask=mask, **SMALL)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert out[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("candidates", [256, 2])
+def test_causal_reads_nothing_later(candidates, monkeypatch):
+    monkeypatch.setattr(hybrid, "QUERY_BLOCK", 4)
+    n, t = 40, 23
+    q, k, v = qkv(1, 2, n, 8, seed=7)
+    opts = dict(SMALL, candidates=candidates)
+    out = hybrid_attention(q, k, v, causal=True, **opts)
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    for x in (q2, k2, v2):
+        x[:, :, t + 1 :] = torch.randn_like(x[:, :, t + 1 :]) * 5
+    out2 = hybrid_attention(q2, k2, v2, causal=True, **opts)
+    torch.testing.assert_close(out[:, :, : t + 1], out2[:, :, : t + 1], rtol=0, atol=0)
+
+
+def test_single_query_and_single_key():
+    q, k, v = qkv(1, 1, 1, 8, m=1, seed=8)
+    torch.testing.assert_close(hybrid_attention(q, k, v, budget=1), v)
+    q, k, v = qkv(1, 1, 1, 8, m=9, seed=8)
+    out = hybrid_attention(q, k, v, **SMALL)
+    torch.testing.assert_close(out, hybrid_attention_naive(q, k, v, **SMALL))
+
+
+def test_bf16_autocast_computes_in_float32():
+    q, k, v = (t.float() for t in qkv(1, 2, 40, 16, seed=9))
+    ref = hybrid_attention(q, k, v, budget=16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = hybrid_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), budget=16)
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - ref).norm() / ref.norm() < 0.05
+
+
+def test_budget_rule():
+    p = plan(HybridOptions(), 512, causal=False)
+    assert (p.window, p.num_selected, p.num_summaries, p.grouping) == (16, 5, 8, "tree")
+    p = plan(HybridOptions(budget=128), 512, causal=True)
+    assert (p.window, p.num_selected, p.num_summaries, p.grouping) == (32, 10, 16, "contiguous")
+    p = plan(HybridOptions(budget=32, window=4, num_selected=1), 512, causal=False)
+    assert (p.window, p.num_selected, p.num_summaries) == (4, 1, 4)
+
+
+def test_bad_combinations_raise():
+    q, k, v = qkv(1, 1, 20, 8, seed=0)
+    with pytest.raises(ValueError, match="grouping='contiguous'"):
+        hybrid_attention(q, k, v, causal=True, grouping="tree")
+    with pytest.raises(ValueError, match="query_group=1"):
+        hybrid_attention(q, k, v, causal=True, query_group=2)
+    with pytest.raises(ValueError, match="power of two"):
+        hybrid_attention(q, k, v, num_summaries=3, budget=12)
+    with pytest.raises(ValueError, match="scoring"):
+        hybrid_attention(q, k, v, scoring="oracle")
+    with pytest.raises(TypeError, match="budget"):
+        hybrid_attention(q, k, v, budget=1.5)
+
+
+def test_tree_groups_similar_keys():
+    # two well separated clusters of keys, interleaved in position: the first split separates them
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(2, 8, generator=g, dtype=torch.float64) * 10
+    labels = torch.arange(32) % 2
+    k = (centres[labels] + 0.1 * torch.randn(32, 8, generator=g, dtype=torch.float64))[None, None]
+    p = plan(HybridOptions(budget=8, block_size=4, num_summaries=2), 32, causal=False)
+    order, slot_valid, coarse = hybrid.build_groups(k, torch.ones(1, 32, dtype=torch.bool), p)
+    halves = labels[order[0, 0]].view(2, 16)
+    assert coarse == 16 and slot_valid.all()
+    assert {tuple(h.unique().tolist()) for h in halves} == {(0,), (1,)}
