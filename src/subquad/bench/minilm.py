@@ -7,6 +7,9 @@ self-attention layer with forward hooks, and measures every attention method's r
 against exact attention (float64) on them, next to its error on i.i.d. N(0, 1) inputs of the
 same shape. Real attention is much sharper than attention on random inputs, and methods that
 look alike on random inputs separate on real ones.
+
+:func:`capture_errors` measures the same real-activation errors alone: the error column by which
+the default ``subquad compare`` ranks methods (``--error-inputs real``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from .common import Config, Renderer, fmt_error, machine_info, md_table, progres
 from .fidelity import attention_sharpness, exact_reference, relative_error
 from .workload import DTYPES, forward_call, make_qkv
 
-__all__ = ["missing_packages", "default_text", "load_minilm", "capture_qkv", "run", "summary_text",
+__all__ = ["missing_packages", "default_text", "load_minilm", "capture_qkv", "capture_errors", "run", "summary_text",
            "markdown_minilm", "plot_minilm", "RENDERER"]
 
 MODEL_NAME = "all-MiniLM-L6-v2"
@@ -122,53 +125,107 @@ def _errors(info, q, k, v, reference, options, seed):
         return relative_error(out(), reference)
 
 
+def _real_inputs(config: Config, text: str | None) -> tuple[dict[str, Any], list[tuple], list]:
+    """The capture of ``text`` (None: the shipped text), its per-layer ``(q, k, v)`` in the run's
+    dtype on its device, and exact attention on each in float64."""
+    device, dtype = torch.device(config.device), DTYPES[config.dtype]
+    cap = capture_qkv(default_text() if text is None else text)
+    real = [tuple(t[i].to(device, dtype) for t in (cap["q"], cap["k"], cap["v"])) for i in range(len(cap["q"]))]
+    return cap, real, [exact_reference(*x) for x in real]
+
+
+def _capture_info(cap: dict[str, Any], real: list[tuple], text: str | None, config: Config) -> dict[str, Any]:
+    """What was captured: the model, the text, its tokens, layers, heads and the capture check."""
+    _, heads, n, dim = real[0][0].shape
+    return {"model": MODEL_NAME, "text": "default text shipped with subquad" if text is None else config.text,
+            "tokens": n, "truncated": cap["truncated"],
+            "tokens_before_truncation": cap["token_count_before_truncation"],
+            "layers": len(real), "heads": heads, "head_dim": dim, "capture_check": cap["check"]}
+
+
+def _method_errors(attention: list, inputs: list[tuple], refs: list, config: Config, bar,
+                   what: str) -> dict[str, dict[str, Any]]:
+    """Each method's relative error on every layer's ``(q, k, v)`` (all heads), stochastic methods
+    seeded with ``config.seed + layer``: ``{method: {"per_layer", "mean", "failure"}}``, ``mean``
+    over layers. A method that raises keeps the layers it finished, ``failure`` its message and a
+    None mean; the others go on."""
+    out = {}
+    for info in attention:
+        options = config.options.get(info.name, {})
+        entry: dict[str, Any] = {"per_layer": [], "mean": None, "failure": None}
+        try:
+            for i, (qkv, ref) in enumerate(zip(inputs, refs)):
+                bar.set_postfix_str(f"{info.name}: layer {i + 1} {what}")
+                entry["per_layer"].append(_errors(info, *qkv, ref, options, config.seed + i))
+                bar.update(1)
+            entry["mean"] = sum(entry["per_layer"]) / len(entry["per_layer"])
+        except Exception as e:  # noqa: BLE001 (reported, the run goes on)
+            entry["failure"] = f"{type(e).__name__}: {e}"[:300]
+            bar.update(len(inputs) - len(entry["per_layer"]))
+        out[info.name] = entry
+    return out
+
+
+def _attention_methods(config: Config) -> tuple[list, list[str]]:
+    """The attention methods of ``config`` and a note for each token mixer (no q, k, v)."""
+    infos = [subquad.get_method(m) for m in config.methods]
+    notes = [f"{i.name}: a token mixer with no q, k, v; not measured here." for i in infos if i.kind != "attention"]
+    return [i for i in infos if i.kind == "attention"], notes
+
+
+def capture_errors(config: Config, text: str | None = None, *, show_progress: bool = True) -> dict[str, Any]:
+    """Every attention method's error on MiniLM's Q, K, V, captured once: the numbers of the real
+    column of :func:`run` (mean over layers), without the random inputs beside them. ``subquad
+    compare`` ranks methods by these (``--error-inputs real``; pass the result to
+    :func:`subquad.bench.compare.run` as ``real_errors``). Token mixers are left out.
+
+    Returns the capture's description (model, text, tokens, layers, heads, head_dim,
+    capture_check), ``"kind": "real"``, ``"errors"``: ``{method: {"per_layer", "mean",
+    "failure"}}`` and ``"seconds"``."""
+    start = time.time()
+    cap, real, refs = _real_inputs(config, text)
+    attention, _ = _attention_methods(config)
+    bar = progress_bar(len(attention) * len(real), "subquad compare: errors on MiniLM Q, K, V", show_progress)
+    try:
+        errors = _method_errors(attention, real, refs, config, bar, "real")
+    finally:
+        bar.close()
+    return {"kind": "real", **_capture_info(cap, real, text, config), "errors": errors,
+            "seconds": time.time() - start}
+
+
+def _row(info, options: dict[str, Any], real: dict[str, Any], random: dict[str, Any]) -> dict[str, Any]:
+    error = real["failure"] or random["failure"]
+    row = {"method": info.name, "options": options, "real": real["per_layer"], "random": random["per_layer"],
+           "error": error, "real_mean": None if error else real["mean"],
+           "random_mean": None if error else random["mean"]}
+    ok = row["real_mean"] is not None and row["random_mean"]
+    row["real_over_random"] = row["real_mean"] / row["random_mean"] if ok else None
+    return row
+
+
 def run(config: Config, text: str | None = None, *, show_progress: bool = True) -> dict[str, Any]:
     """Errors of every attention method on MiniLM's Q, K, V and on random inputs of that shape."""
     start = time.time()
     device = torch.device(config.device)
     dtype = DTYPES[config.dtype]
-    source_text = default_text() if text is None else text
-    cap = capture_qkv(source_text)
-    layers = len(cap["q"])
-    _, heads, n, dim = cap["q"][0].shape
-    real = [tuple(t[i].to(device, dtype) for t in (cap["q"], cap["k"], cap["v"])) for i in range(layers)]
+    cap, real, ref_real = _real_inputs(config, text)
+    layers = len(real)
+    _, heads, n, dim = real[0][0].shape
     rand = [make_qkv(1, heads, n, dim, dtype=dtype, device=device, seed=config.seed + 1000 + i)
             for i in range(layers)]
-    ref_real = [exact_reference(*x) for x in real]
     ref_rand = [exact_reference(*x) for x in rand]
     sharp_real = [attention_sharpness(x[0], x[1]) for x in real]
     sharp_rand = [attention_sharpness(x[0], x[1]) for x in rand]
 
-    infos = [subquad.get_method(m) for m in config.methods]
-    attention = [i for i in infos if i.kind == "attention"]
-    notes = [f"{i.name}: a token mixer with no q, k, v; not measured here."
-             for i in infos if i.kind != "attention"]
-    rows = []
+    attention, notes = _attention_methods(config)
     bar = progress_bar(len(attention) * layers * 2, "subquad compare --source minilm", show_progress)
     try:
-        for info in attention:
-            options = config.options.get(info.name, {})
-            row = {"method": info.name, "options": options, "real": [], "random": [], "error": None}
-            try:
-                for i in range(layers):
-                    bar.set_postfix_str(f"{info.name}: layer {i + 1} real")
-                    row["real"].append(_errors(info, *real[i], ref_real[i], options, config.seed + i))
-                    bar.update(1)
-                    bar.set_postfix_str(f"{info.name}: layer {i + 1} random")
-                    row["random"].append(_errors(info, *rand[i], ref_rand[i], options, config.seed + i))
-                    bar.update(1)
-            except Exception as e:  # noqa: BLE001 (reported, the run goes on)
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
-                bar.update(2 * layers - len(row["real"]) - len(row["random"]))
-            rows.append(row)
+        on_real = _method_errors(attention, real, ref_real, config, bar, "real")
+        on_random = _method_errors(attention, rand, ref_rand, config, bar, "random")
     finally:
         bar.close()
-    for row in rows:
-        for key in ("real", "random"):
-            vals = row[key]
-            row[f"{key}_mean"] = sum(vals) / len(vals) if vals and not row["error"] else None
-        ok = row["real_mean"] is not None and row["random_mean"]
-        row["real_over_random"] = row["real_mean"] / row["random_mean"] if ok else None
+    rows = [_row(i, config.options.get(i.name, {}), on_real[i.name], on_random[i.name]) for i in attention]
 
     def mean(xs, key):
         return sum(x[key] for x in xs) / len(xs)
@@ -177,12 +234,7 @@ def run(config: Config, text: str | None = None, *, show_progress: bool = True) 
         "kind": "minilm",
         "config": asdict(config),
         "machine": machine_info(device),
-        "model": MODEL_NAME,
-        "text": "default text shipped with subquad" if text is None else config.text,
-        "tokens": n, "truncated": cap["truncated"],
-        "tokens_before_truncation": cap["token_count_before_truncation"],
-        "layers": layers, "heads": heads, "head_dim": dim,
-        "capture_check": cap["check"],
+        **_capture_info(cap, real, text, config),
         "sharpness": {
             "real": {"per_layer": sharp_real, "normalised_entropy": mean(sharp_real, "normalised_entropy"),
                      "mean_max_weight": mean(sharp_real, "mean_max_weight")},
