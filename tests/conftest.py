@@ -5,10 +5,17 @@ method in the registry, so a method is tested the day it is registered. They cal
 :func:`method_options`, which makes stochastic methods deterministic and applies the method's
 ``test_options`` (in its registry entry, next to its op: set them only when a method's defaults
 do not suit the tiny test shapes).
+
+``SUBQUAD_EXTRA_METHODS``: comma-separated module names, imported before the method lists below
+are read, so the methods they register are swept like the built-in ones. For a method written
+outside the package, and for ``tests/test_contributing.py``, which runs the generic tests on the
+example method of CONTRIBUTING.md: ``SUBQUAD_EXTRA_METHODS=my_module pytest tests/test_generic.py
+-k my_method``.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
@@ -21,6 +28,10 @@ import subquad
 # idle OpenMP threads spinning for a core make them many times slower. One thread by default;
 # SUBQUAD_TEST_THREADS overrides it.
 torch.set_num_threads(int(os.environ.get("SUBQUAD_TEST_THREADS", "1")))
+
+for _module in os.environ.get("SUBQUAD_EXTRA_METHODS", "").split(","):
+    if _module.strip():
+        importlib.import_module(_module.strip())
 
 ATTENTION_METHODS = [m.name for m in subquad.list_methods() if m.kind == "attention"]
 CAUSAL_METHODS = [name for name in ATTENTION_METHODS if subquad.get_method(name).causal]
