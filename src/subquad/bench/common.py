@@ -21,9 +21,9 @@ from torch import Tensor
 from .fidelity import exact_reference
 from .workload import make_qkv
 
-__all__ = ["Config", "machine_info", "progress_bar", "random_inputs", "Renderer", "register_renderer",
-           "renderer_for", "fmt_seconds", "fmt_bytes", "fmt_ratio", "fmt_error", "fmt_rate", "text_table",
-           "md_table"]
+__all__ = ["Config", "machine_info", "progress_bar", "random_inputs", "error_inputs_label", "Renderer",
+           "register_renderer", "renderer_for", "fmt_seconds", "fmt_bytes", "fmt_ratio", "fmt_error", "fmt_rate",
+           "text_table", "md_table"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -51,6 +51,9 @@ class Config:
     max_error: float | None = None
     objective: str = "forward"
     source: str = "random"
+    # what the error column is measured on: "iid" (the random inputs at each N) or "real" (MiniLM's
+    # captured Q, K, V; subquad.bench.compare.run then needs them measured, its real_errors)
+    error_inputs: str = "iid"
     text: str | None = None
     peers: bool = False
     out: str | None = None
@@ -106,18 +109,28 @@ def progress_bar(total: int, desc: str, enabled: bool = True):
                 dynamic_ncols=True)
 
 
-def random_inputs(config: Config, dtype: torch.dtype, device: torch.device,
-                  bar) -> Iterator[tuple[int, Tensor, Tensor, Tensor, Tensor]]:
+def random_inputs(config: Config, dtype: torch.dtype, device: torch.device, bar,
+                  reference: bool = True) -> Iterator[tuple[int, Tensor, Tensor, Tensor, Tensor | None]]:
     """``(n, q, k, v, reference)`` for each length of ``config``, shortest first: i.i.d. N(0, 1)
     q, k, v ``(B, H, n, D)`` seeded with ``config.seed + n``, and exact attention on them in
-    float64 (announced on ``bar`` while it is computed)."""
+    float64 (announced on ``bar`` while it is computed; None when not ``reference``)."""
     for n in sorted(config.ns):
         q, k, v = make_qkv(config.batch, config.heads, n, config.dim, dtype=dtype, device=device,
                            seed=config.seed + n)
-        bar.set_postfix_str(f"N={n}: exact float64 reference")
-        reference = exact_reference(q, k, v)
-        yield n, q, k, v, reference
-        del reference
+        if reference:
+            bar.set_postfix_str(f"N={n}: exact float64 reference")
+        reference_out = exact_reference(q, k, v) if reference else None
+        yield n, q, k, v, reference_out
+        del reference_out
+
+
+def error_inputs_label(error_inputs: dict[str, Any] | None, short: bool = False) -> str:
+    """What a compare run's errors were measured on (its results' ``"error_inputs"``; None: an
+    older document, i.i.d.): ``"real MiniLM activations (N = 418)"`` or ``"i.i.d. N(0, 1)
+    inputs"``; ``short``: ``"MiniLM"`` or ``"i.i.d."``."""
+    if error_inputs and error_inputs.get("kind") == "real":
+        return "MiniLM" if short else f"real MiniLM activations (N = {error_inputs['tokens']})"
+    return "i.i.d." if short else "i.i.d. N(0, 1) inputs"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,6 +5,13 @@ For each length N and method: forward and forward+backward time (median of
 exact attention computed in float64, speed-up over exact attention, and the achieved matmul
 rate against this machine's. A method that raises at some stage is reported with its error;
 the run goes on.
+
+Time, FLOPs and memory are measured on i.i.d. N(0, 1) inputs at each N. The error is measured
+either on those inputs (``Config.error_inputs = "iid"``) or, once per run, on the Q, K, V of a
+real model (``"real"``: :func:`subquad.bench.minilm.capture_errors`, handed to :func:`run` as
+``real_errors``; every row of a method then carries that one error). On i.i.d. inputs attention
+is nearly uniform and the exact output a small average, so sparse and random-feature methods
+look worse there than on the sharp attention of trained models.
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ from torch import Tensor
 import subquad
 
 from . import flops as flop_counts
-from .common import Config, Renderer, machine_info, progress_bar, random_inputs, register_renderer
+from .common import (Config, Renderer, error_inputs_label, machine_info, progress_bar, random_inputs,
+                     register_renderer)
 from .fidelity import relative_error
 from .memory import measure, measure_in_subprocess
 from .recommend import OBJECTIVES, budget_table, recommend
@@ -70,6 +78,7 @@ class _Point:
     user_options: dict[str, Any]
     row: dict[str, Any]
     module: Any = None  # a token mixer's module, shared by the forward and the backward
+    real_error: dict[str, Any] | None = None  # the method's error on real inputs, measured once
 
     def stage(self, what: str) -> None:
         self.bar.set_postfix_str(f"N={self.n} {self.info.name}: {what}")
@@ -124,11 +133,18 @@ def _time_forward(p: _Point) -> tuple[Callable[[], Tensor], Tensor, dict[str, An
     return fwd, holder[0], options
 
 
-def _record_error(p: _Point, output: Tensor, reference: Tensor) -> None:
-    """The relative error of an attention method's output; a note for a token mixer."""
+def _record_error(p: _Point, output: Tensor, reference: Tensor | None) -> None:
+    """The relative error of an attention method's output on these inputs, or its error on the
+    real inputs (``p.real_error``, the same at every N); a note for a token mixer."""
     if p.info.kind != "attention":
         p.row["notes"].append("token mixer on x (B, N, H*D): no error against attention; its time "
                               "includes its own input and output projections")
+        return
+    if p.real_error is not None:
+        if p.real_error.get("failure"):
+            p.row["errors"]["error"] = f"on the real inputs: {p.real_error['failure']}"
+        else:
+            p.row["rel_error"] = p.real_error["mean"]
         return
     try:
         p.row["rel_error"] = relative_error(output, reference)
@@ -198,11 +214,13 @@ def _record_memory(p: _Point, backward: bool) -> None:
             row["errors"][f"memory_{stage}"] = mem[f"{stage}_error"]
 
 
-def _measure_point(info, n: int, q, k, v, reference, config: Config, history, bar) -> dict[str, Any]:
-    """Every measurement of one (method, N) point, in order: forward time (or a skip), error,
-    FLOPs, forward+backward time, peak memory."""
+def _measure_point(info, n: int, q, k, v, reference, config: Config, history, bar,
+                   real_error: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every measurement of one (method, N) point, in order: forward time (or a skip), error
+    (against ``reference``, or ``real_error``), FLOPs, forward+backward time, peak memory."""
     user_options = config.options.get(info.name, {})
-    p = _Point(info, n, q, k, v, config, history, bar, user_options, _new_row(info, n, user_options))
+    p = _Point(info, n, q, k, v, config, history, bar, user_options, _new_row(info, n, user_options),
+               real_error=real_error)
     if _skip_slow_forward(p):
         return p.row
     measured = _time_forward(p)
@@ -265,8 +283,32 @@ def _recommendations(rows: list[dict[str, Any]], config: Config) -> tuple[list[d
     return budgets, recommendations
 
 
-def run(config: Config, *, show_progress: bool = True) -> dict[str, Any]:
-    """Run the comparison on i.i.d. N(0, 1) inputs; returns the results document."""
+def _error_inputs(config: Config, real_errors: dict[str, Any] | None) -> dict[str, Any]:
+    """The results' ``"error_inputs"``: what the error column was measured on, with its label."""
+    if config.error_inputs == "iid":
+        if real_errors is not None:
+            raise ValueError("real_errors given, but config.error_inputs is 'iid'")
+        return {"kind": "iid", "label": error_inputs_label(None), "seed": config.seed}
+    if config.error_inputs != "real":
+        raise ValueError(f"config.error_inputs must be 'real' or 'iid', not {config.error_inputs!r}")
+    if real_errors is None or real_errors.get("kind") != "real":
+        raise ValueError("config.error_inputs 'real' needs real_errors: the result of "
+                         "subquad.bench.minilm.capture_errors(config)")
+    return {**real_errors, "label": error_inputs_label(real_errors)}
+
+
+def _real_error(errors: dict[str, Any], info) -> dict[str, Any] | None:
+    """A method's entry in the real-input errors; None for i.i.d. errors and for token mixers."""
+    if errors["kind"] != "real" or info.kind != "attention":
+        return None
+    return errors["errors"].get(info.name) or {"mean": None, "failure": "not measured on them"}
+
+
+def run(config: Config, *, show_progress: bool = True, real_errors: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run the comparison: time, FLOPs and memory on i.i.d. N(0, 1) inputs at each N, the error
+    on them too (``config.error_inputs == "iid"``) or ``real_errors`` (``"real"``: the result of
+    :func:`subquad.bench.minilm.capture_errors` for this config). Returns the results document."""
+    errors = _error_inputs(config, real_errors)
     device = torch.device(config.device)
     dtype = DTYPES[config.dtype]
     start = time.time()
@@ -278,9 +320,10 @@ def run(config: Config, *, show_progress: bool = True) -> dict[str, Any]:
     history: dict[str, dict[int, dict[str, Any]]] = {i.name: {} for i in infos}
     bar = progress_bar(len(config.ns) * len(infos), "subquad compare", show_progress)
     try:
-        for n, q, k, v, reference in random_inputs(config, dtype, device, bar):
+        for n, q, k, v, reference in random_inputs(config, dtype, device, bar, reference=errors["kind"] == "iid"):
             for info in infos:
-                row = _measure_point(info, n, q, k, v, reference, config, history[info.name], bar)
+                row = _measure_point(info, n, q, k, v, reference, config, history[info.name], bar,
+                                     real_error=_real_error(errors, info))
                 history[info.name][n] = row
                 rows.append(row)
                 bar.update(1)
@@ -293,11 +336,12 @@ def run(config: Config, *, show_progress: bool = True) -> dict[str, Any]:
         "kind": "compare",
         "config": asdict(config),
         "machine": {**machine_info(device), "matmul_flops_per_s": rates},
+        "error_inputs": errors,
         "rows": rows,
         "budgets": budgets,
         "recommendations": recommendations,
         "notes": notes,
-        "seconds": time.time() - start,
+        "seconds": time.time() - start + errors.get("seconds", 0.0),  # with the real inputs' capture
     }
 
 

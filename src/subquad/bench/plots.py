@@ -5,7 +5,8 @@ helpers the other kinds' plots share (:func:`log_axis`, :func:`method_colors`, :
   attention in black, with guide slopes for N and N^2.
 - ``memory_vs_n.png``: peak memory against N, same layout.
 - ``error_vs_time.png``: relative error against forward time, one panel per N, with the
-  Pareto front (the methods that nothing beats on both) and exact attention's time.
+  Pareto front (the methods that nothing beats on both) and exact attention's time; its axis
+  and title name the inputs of the error (real MiniLM activations or i.i.d. inputs).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter, NullLocator  # noqa: E402
 
-from .common import Renderer, renderer_for  # noqa: E402
+from .common import Renderer, error_inputs_label, renderer_for  # noqa: E402
 from .recommend import pareto_front  # noqa: E402
 
 __all__ = ["plot", "plot_compare", "method_colors", "log_axis", "save_figure"]
@@ -220,7 +221,7 @@ def _error_vs_time(res, path):
         log_axis(ax, "y")
         _labels(ax, [(r["forward_s"] * 1e3, r["rel_error"], r["method"]) for r in approx])
         ax.set_xlabel("forward time (ms, log)")
-        ax.set_ylabel("relative error vs exact (log)")
+        ax.set_ylabel(f"relative error vs exact (log)\non {error_inputs_label(res.get('error_inputs'))}")
         ax.set_title(f"N = {n}: faster is left, more accurate is down")
         ax.grid(True, which="both", alpha=0.25)
         if not approx:
@@ -228,7 +229,10 @@ def _error_vs_time(res, path):
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     for j in range(len(ns), nrows * cols):
         axes[j // cols][j % cols].axis("off")
-    fig.suptitle(f"Error against forward time ({_subtitle(res)}; i.i.d. N(0, 1) inputs)", fontsize=11)
+    where = error_inputs_label(res.get("error_inputs"))
+    real = (res.get("error_inputs") or {}).get("kind") == "real"
+    inputs = f"time on i.i.d. N(0, 1) inputs, error on {where}" if real else f"time and error on {where}"
+    fig.suptitle(f"Error against forward time ({_subtitle(res)}; {inputs})", fontsize=11)
     return save_figure(fig, path)
 
 

