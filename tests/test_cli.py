@@ -26,7 +26,7 @@ def run_cli(argv, capsys):
 def test_help_exits_0(capsys):
     code, out, _ = run_cli(["compare", "--help"], capsys)
     assert code == 0
-    assert "--max-error" in out and "--source" in out and "--peers" in out
+    assert "--max-error" in out and "--source" in out and "--peers" in out and "--error-inputs" in out
 
 
 def test_python_dash_m_subquad():
@@ -153,14 +153,14 @@ def test_option_names():
 def test_unqualified_options_reach_every_selected_method(capsys, monkeypatch):
     seen = {}
 
-    def stop(config, show_progress):
+    def stop(config, show_progress, real_errors=None):
         seen["config"] = config
         raise KeyboardInterrupt
 
     monkeypatch.setattr(compare, "run", stop)
     with pytest.raises(KeyboardInterrupt):
         cli.main(["compare", "--methods", "nystrom", "lara", "linear", "-o", "num_landmarks=4",
-                  "--option", "nystrom.pinv_iterations=3", "--n", "16", "--quiet"])
+                  "--option", "nystrom.pinv_iterations=3", "--n", "16", "--error-inputs", "iid", "--quiet"])
     config = seen["config"]
     assert config.methods == ["softmax", "nystrom", "lara", "linear"]
     assert config.options == {"nystrom": {"num_landmarks": 4, "pinv_iterations": 3}, "lara": {"num_landmarks": 4}}
@@ -171,7 +171,7 @@ def test_end_to_end_writes_every_report_file(capsys, tmp_path):
     out_dir = tmp_path / "report"
     argv = ["compare", "--n", "24", "40", "--batch", "1", "--heads", "2", "--dim", "8",
             "--methods", "nystrom", "--option", "nystrom.num_landmarks=4", "--max-error", "0.9",
-            "--out", str(out_dir), *FAST]
+            "--error-inputs", "iid", "--out", str(out_dir), *FAST]
     code, out, err = run_cli(argv, capsys)
     assert code == 0, err
     for name in ("results.json", "report.md", "time_vs_n.png", "memory_vs_n.png", "error_vs_time.png"):

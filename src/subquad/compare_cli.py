@@ -4,12 +4,17 @@
     subquad compare --n 8192 --max-error 0.05         # which method for N = 8192 within 5% error
     subquad compare --methods nystrom performer -o nystrom.num_landmarks=32 --out results/
     subquad compare -o num_landmarks=32               # every selected method with a num_landmarks option
-    subquad compare --source minilm                   # errors on real all-MiniLM-L6-v2 activations
+    subquad compare --error-inputs iid                # errors on the random inputs at each N, not on MiniLM's
+    subquad compare --source minilm                   # errors on real all-MiniLM-L6-v2 activations, with random
     subquad compare --peers                           # against the pip packages of other implementations
 
 :func:`add_parser` registers the command for :func:`subquad.cli.main`; the measuring is
 :mod:`subquad.bench`. A mistake (unknown method or option, bad shape, unwritable ``--out``) is a
 usage error: a message on stderr and exit status 2.
+
+The default run times every method on random inputs at each ``--n`` but ranks them by their error
+on real attention inputs (``--error-inputs real``: all-MiniLM-L6-v2's Q, K, V on subquad's text,
+captured once; the ``real`` extra, without which it falls back to ``iid`` and says so).
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "compare", help="measure every method against exact attention and recommend one",
         description="Measure every registered method against exact attention on this machine: forward and "
-        "forward+backward time, peak memory, relative error (float64 reference), speed-up and achieved "
-        "FLOP rate; print a leaderboard and recommend the fastest method within an error budget.",
+        "forward+backward time, peak memory, relative error (float64 reference; by default on the Q, K, V of "
+        "a real model, see --error-inputs), speed-up and achieved FLOP rate; print a leaderboard and "
+        "recommend the fastest method within an error budget.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_workload(p.add_argument_group("workload"))
     meth = p.add_argument_group("methods")
@@ -54,6 +60,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     mode.add_argument("--source", choices=["random", "minilm"], default="random",
                       help="random: i.i.d. N(0, 1) q, k, v at each --n; minilm: the Q, K, V of every layer "
                       "and head of all-MiniLM-L6-v2 on a text (needs subquad[real]); errors only")
+    mode.add_argument("--error-inputs", choices=["real", "iid"], default=argparse.SUPPRESS,
+                      help="what the error column and the recommendation rank by (times and memory are always "
+                      "on the random inputs at each --n): real: the error on the Q, K, V of every layer and "
+                      "head of all-MiniLM-L6-v2 on subquad's shipped text, captured once (needs subquad[real]); "
+                      "iid: the error on the random inputs at each --n. Default: real, or iid with a notice when "
+                      "subquad[real] is not installed")
     mode.add_argument("--text", type=Path, default=None, metavar="FILE",
                       help="text for --source minilm (default: a short English text shipped with subquad)")
     mode.add_argument("--peers", action="store_true",
@@ -179,6 +191,32 @@ def _source_text(p: argparse.ArgumentParser, args: argparse.Namespace) -> str | 
     return text
 
 
+def _error_inputs(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """What the errors are measured on: ``--error-inputs`` for the default sweep (real when the
+    ``real`` extra is installed, else iid with one line on stderr), real for ``--source minilm``,
+    iid for ``--peers``; a value that contradicts those modes is a usage error."""
+    asked = getattr(args, "error_inputs", None)
+    fixed = "real" if args.source == "minilm" else "iid" if args.peers else None
+    if fixed is not None:
+        if asked not in (None, fixed):
+            mode = "--source minilm" if args.source == "minilm" else "--peers"
+            p.error(f"--error-inputs {asked} does not combine with {mode}, which measures errors on "
+                    f"{'real activations' if fixed == 'real' else 'the random inputs'}")
+        return fixed
+    if asked == "iid":
+        return "iid"
+    from .bench import minilm
+
+    missing = minilm.missing_packages()
+    if not missing:
+        return "real"
+    if asked == "real":
+        p.error(f"--error-inputs real needs {', '.join(missing)}: pip install 'subquad[real]'")
+    print(f"subquad compare: errors on i.i.d. N(0, 1) inputs, not on real MiniLM activations: those need "
+          f"{', '.join(missing)} (pip install 'subquad[real]'; --error-inputs iid silences this)", file=sys.stderr)
+    return "iid"
+
+
 # --------------------------------------------------------------------------- run
 
 
@@ -195,13 +233,14 @@ def run_compare(args: argparse.Namespace) -> int:
     text = _source_text(p, args)
     if args.out is not None:
         _check_out(p, args.out)
+    error_inputs = _error_inputs(p, args)
     argv = getattr(args, "argv", None) or sys.argv[1:]
     config = Config(
         ns=sorted(set(args.n)), batch=args.batch, heads=args.heads, dim=args.dim, methods=methods,
         options=options, device=args.device, dtype=args.dtype, min_run_time=args.min_run_time,
         max_call_seconds=args.max_call_seconds, memory=not args.no_memory, backward=not args.no_backward,
         seed=args.seed, max_error=args.max_error, objective=args.objective, source=args.source,
-        text=str(args.text) if args.text is not None else None, peers=args.peers,
+        error_inputs=error_inputs, text=str(args.text) if args.text is not None else None, peers=args.peers,
         out=str(args.out) if args.out is not None else None,
         command=" ".join(["subquad", *(shlex.quote(a) for a in argv)]),
     )
@@ -230,6 +269,11 @@ def _measure(config, args: argparse.Namespace, text: str | None) -> dict[str, An
         from .bench import compare
         from .bench.report import leaderboard_text
 
-        results = compare.run(config, show_progress=show)
+        real_errors = None
+        if config.error_inputs == "real":  # captured once, before the sweep over --n
+            from .bench import minilm
+
+            real_errors = minilm.capture_errors(config, show_progress=show)
+        results = compare.run(config, show_progress=show, real_errors=real_errors)
         print(leaderboard_text(results))
     return results

@@ -1,5 +1,6 @@
 """``subquad compare`` with its default methods: every registered method, in every table (the
-check the retired forward-only speed table had)."""
+check the retired forward-only speed table had), with the default error inputs (real activations:
+conftest's tiny stand-in for the MiniLM capture)."""
 
 import json
 
@@ -7,7 +8,7 @@ import subquad
 from subquad import cli
 
 
-def test_every_registered_method_runs_by_default(capsys, tmp_path):
+def test_every_registered_method_runs_by_default(fake_minilm, capsys, tmp_path):
     out_dir = tmp_path / "compare"
     code = cli.main(["compare", "--n", "16", "24", "--heads", "2", "--dim", "8", "--min-run-time", "0.001",
                      "--no-memory", "--no-backward", "--quiet", "--out", str(out_dir)])
@@ -16,9 +17,13 @@ def test_every_registered_method_runs_by_default(capsys, tmp_path):
     res = json.loads((out_dir / "results.json").read_text())
     assert sorted((r["n"], r["method"]) for r in res["rows"]) == sorted((n, m) for n in (16, 24) for m in methods)
     assert all(r["forward_s"] > 0 for r in res["rows"])
+    assert res["error_inputs"]["kind"] == "real" and len(fake_minilm) == 1
     for r in res["rows"]:
         if r["method"] == "softmax":  # exact attention against itself
             assert r["speedup_forward"] == 1.0 and r["rel_error"] < 1e-5
+        # every attention method runs on the capture: one error, the same at every N
+        expected = res["error_inputs"]["errors"][r["method"]]["mean"] if r["kind"] == "attention" else None
+        assert r["rel_error"] == expected and (r["kind"] != "attention" or expected is not None), r["method"]
     leaderboard = capsys.readouterr().out
     report = (out_dir / "report.md").read_text()
     for m in methods:
