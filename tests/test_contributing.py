@@ -156,7 +156,7 @@ def test_multihead_attention(toy, is_causal):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in mha.parameters())
 
 
-def test_compare_reports_it(toy, tmp_path, capsys):
+def test_compare_reports_it(toy, tmp_path, capsys, fake_minilm):
     """(c) ``subquad compare --methods NAME`` (the CLI's Python entry) runs it beside exact
     attention and reports its time, error and FLOPs from the entry's formula."""
     from subquad import cli
