@@ -151,11 +151,11 @@ def test_bf16_autocast_computes_in_float32():
 
 def test_budget_rule():
     p = plan(HybridOptions(), 512, causal=False)
-    assert (p.window, p.num_selected, p.num_summaries, p.grouping) == (16, 5, 8, "tree")
+    assert (p.window, p.num_selected, p.num_summaries, p.block_size, p.grouping) == (8, 12, 8, 4, "tree")
     p = plan(HybridOptions(budget=128), 512, causal=True)
-    assert (p.window, p.num_selected, p.num_summaries, p.grouping) == (32, 10, 16, "contiguous")
-    p = plan(HybridOptions(budget=32, window=4, num_selected=1), 512, causal=False)
-    assert (p.window, p.num_selected, p.num_summaries) == (4, 1, 4)
+    assert (p.window, p.num_selected, p.num_summaries, p.grouping) == (16, 24, 16, "contiguous")
+    p = plan(HybridOptions(budget=32, window=2, num_selected=1), 512, causal=False)
+    assert (p.window, p.num_selected, p.num_summaries) == (2, 1, 4)
 
 
 def test_bad_combinations_raise():

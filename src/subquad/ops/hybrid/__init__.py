@@ -27,8 +27,10 @@ The idea of compressed + selected + window terms follows Native Sparse Attention
 
 Budget: ``budget`` = keys attended exactly + summaries, per query. The parts not given are
 derived from it: ``num_summaries`` = the largest power of two <= ``budget / 8``, ``window`` =
-``budget // 4``, ``num_selected`` = ``(budget - window - num_summaries) // block_size``. At
-``budget >= M`` the op is exact attention.
+``budget // 8``, ``num_selected`` = ``(budget - window - num_summaries) // block_size`` (with
+``block_size`` 4: 64 -> window 8, 12 groups of 4, 8 summaries). This split was chosen on the Q, K, V
+of all-MiniLM-L6-v2 (``benchmarks/real_fidelity.py``): there, exact keys spent on selected groups
+of 4 buy more than a wider window or groups of 8. At ``budget >= M`` the op is exact attention.
 
 Causal mode uses contiguous groups only (a tree over all keys would let later keys steer the
 choice): the window, groups that end before the window, and summaries of the keys before the
@@ -69,7 +71,7 @@ class HybridOptions:
 
     budget: int = 64
     window: int | None = None
-    block_size: int = 8
+    block_size: int = 4
     num_selected: int | None = None
     num_summaries: int | None = None
     grouping: str | None = None
@@ -115,7 +117,7 @@ def plan(o: HybridOptions, n_keys: int, causal: bool) -> HybridPlan:
     summaries = o.num_summaries
     if summaries is None:
         summaries = 1 << max(0, int(math.log2(max(1, o.budget // 8))))
-    window = o.budget // 4 if o.window is None else o.window
+    window = o.budget // 8 if o.window is None else o.window
     selected = o.num_selected
     if selected is None:
         selected = max(0, (o.budget - window - summaries) // o.block_size)
