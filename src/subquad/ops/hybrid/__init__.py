@@ -19,7 +19,8 @@ similarity: split the keys recursively at the median of their top principal dire
 iteration) down to leaves of ``block_size``; the coarse groups are the tree's nodes at depth
 ``log2(num_summaries)``. Scoring (``scoring``) of a group for a query (scale ``s``):
 ``"second_order"``, ``s q.k_mean + log n + s^2 Var_j(q.k_j) / 2`` with the variance from the
-rank-2 principal part of the group's key deviations (the log of a group's attention mass to
+rank-2 principal part of the group's key deviations (exact for groups of up to 4 keys; the log
+of a group's attention mass to
 second order); ``"bounds"``, the largest ``s q.k`` a key within the group's elementwise key
 min/max box can reach (Quest, Tang et al. 2024); ``"mean"``, ``s q.k_mean`` (MoBA, Lu et al. 2025).
 The idea of compressed + selected + window terms follows Native Sparse Attention (Yuan et al.
@@ -203,6 +204,7 @@ def build_groups(k: Tensor, valid: Tensor, p: HybridPlan) -> tuple[Tensor, Tenso
 # selection
 
 
+CHUNK_BYTES = 1 << 24  # gathered exact keys and values per run of queries (see _hybrid_core)
 QUERY_BLOCK = 64  # (pooled) queries that share one set of candidate leaves in two-stage selection
 
 
@@ -220,23 +222,46 @@ def _phi(q: Tensor, scoring: str) -> Tensor:
     return torch.cat([q.clamp_min(0), q.clamp_max(0)], -1) if scoring == "bounds" else q
 
 
+EXACT_VARIANCE = 4  # groups of at most this many slots score with their exact key variance
+
+
 def _principal(dev: Tensor, r: int) -> Tensor:
     """``sigma_t v_t`` of the top ``r`` singular pairs of each ``(n, D)`` matrix ``dev``
-    ``(..., n, D)`` -> ``(..., r, D)``, from the smaller of its Gram and covariance matrices."""
+    ``(..., n, D)`` -> ``(..., r, D)``, from the smaller of its Gram and covariance matrices.
+    Groups of at most ``EXACT_VARIANCE`` slots return their rows themselves: every pair, so the
+    variance is exact, and no small eigenproblems (slow on CPU when there are many)."""
     n, D = dev.shape[-2:]
+    if n <= EXACT_VARIANCE:
+        return dev
     r = min(r, n, D)
     if n <= D:
-        _, evecs = torch.linalg.eigh(dev @ dev.transpose(-2, -1))
+        _, evecs = _eigh(dev @ dev.transpose(-2, -1))
         return evecs[..., -r:].transpose(-2, -1) @ dev
-    evals, evecs = torch.linalg.eigh(dev.transpose(-2, -1) @ dev)
+    evals, evecs = _eigh(dev.transpose(-2, -1) @ dev)
     return (evecs[..., -r:] * evals[..., None, -r:].clamp_min(0).sqrt()).transpose(-2, -1)
+
+
+def _eigh(a: Tensor) -> tuple[Tensor, Tensor]:
+    """``torch.linalg.eigh`` of a batch of small matrices on one thread. Batched eigh splits the
+    batch over threads, and on a CPU whose other cores are busy that runs 100x slower (measured:
+    512 matrices of 64 x 64, 0.5 s on one thread, 40-80 s on two with the second core loaded;
+    torch 2.13)."""
+    if a.device.type != "cpu" or torch.compiler.is_compiling():
+        return torch.linalg.eigh(a)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return torch.linalg.eigh(a)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def group_vectors(x: Tensor, sv: Tensor, scoring: str) -> tuple[Tensor, Tensor]:
     """What a group of keys is scored by. x ``(..., G, n, D)``, sv ``(..., G, n)`` (real keys)
     -> vectors ``(..., G, r, Dphi)`` and key counts ``(..., G)``. ``mean``: the mean key;
     ``bounds``: the elementwise max and min, as one vector; ``second_order``: the mean key and
-    the rank-2 principal part of the deviations."""
+    the rank-2 principal part of the deviations (all of them for groups of up to
+    :data:`EXACT_VARIANCE` slots)."""
     count = sv.sum(-1)
     w = sv.unsqueeze(-1).to(x.dtype)
     mean = (x * w).sum(-2) / count.clamp_min(1).unsqueeze(-1).to(x.dtype)
@@ -393,8 +418,6 @@ def _hybrid_core(q, k, v, valid, causal: bool, scale: float, p: HybridPlan) -> T
         slot_group = (torch.arange(order.shape[-1], device=q.device) // coarse_size).expand_as(order)
         group_of = torch.empty_like(order).scatter_(2, order, slot_group)[..., :M]
         egroup = group_of.gather(2, pos.flatten(2)).view(pos.shape)
-    ke, ve = _rows(k, pos), _rows(v, pos)  # (B, H, N, E, D | Dv)
-    logits = (ke @ q.unsqueeze(-1)).squeeze(-1) * scale  # (B, H, N, E)
     cnt, ks, vs = _slot_sums(ko, vo, slot_valid, coarse_size)
     if causal:
         qk, count, values, egroup, sub = _causal_summaries(q, cnt, ks, vs, egroup, pos, ok, p.window)
@@ -402,10 +425,22 @@ def _hybrid_core(q, k, v, valid, causal: bool, scale: float, p: HybridPlan) -> T
         vsum = vs.sum(3)
         qk, count, sub = q @ ks.sum(3).transpose(-2, -1), cnt.sum(3).squeeze(-1).unsqueeze(2), ok
 
-        def values(pc):
+        def values(pc, rows):
             return pc @ vsum
 
-    return _combine(logits, ve, ok, sub, egroup, qk * scale, count, values)
+    # The exact keys are gathered per query: in runs of queries whose gathered keys and values
+    # take about CHUNK_BYTES, so they stay in cache instead of one N x E x D allocation.
+    E, Dv = pos.shape[-1], v.shape[-1]
+    step = max(1, CHUNK_BYTES // (B * H * E * (D + Dv) * q.element_size()))
+    outs = []
+    for start in range(0, N, step):
+        rows = slice(start, start + step)
+        ke, ve = _rows(k, pos[:, :, rows]), _rows(v, pos[:, :, rows])  # (B, H, n, E, D | Dv)
+        logits = (ke @ q[:, :, rows].unsqueeze(-1)).squeeze(-1) * scale  # (B, H, n, E)
+        cnt_rows = count if count.shape[2] == 1 else count[:, :, rows]
+        outs.append(_combine(logits, ve, ok[:, :, rows], sub[:, :, rows], egroup[:, :, rows],
+                             qk[:, :, rows] * scale, cnt_rows, lambda pc: values(pc, rows)))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 def _causal_summaries(q, cnt, ks, vs, egroup, pos, ok, window):
@@ -427,8 +462,8 @@ def _causal_summaries(q, cnt, ks, vs, egroup, pos, ok, window):
     egroup = torch.where(egroup == g_a[:, None], G, egroup)
     sub = ok & (pos < a[:, None])
 
-    def values(pc):
-        return pc[..., :G] @ tot_v + pc[..., G:] * part_v
+    def values(pc, rows):
+        return pc[..., :G] @ tot_v + pc[..., G:] * part_v[:, :, rows]
 
     return qk, count, values, egroup, sub
 

@@ -78,7 +78,7 @@ def leaf_scores_naive(q: Tensor, k: Tensor, leaf: list[int], valid: Tensor, scor
     if scoring == "second_order":
         dev = x - x.mean(0)
         _, sv, vh = torch.linalg.svd(dev, full_matrices=False)
-        r = min(2, len(leaf), vh.shape[0])
+        r = vh.shape[0] if len(leaf) <= _hybrid.EXACT_VARIANCE else min(2, vh.shape[0])
         var = sum(float(q @ (sv[t] * vh[t])) ** 2 for t in range(r)) / len(real)
         score += math.log(len(real)) + 0.5 * scale * scale * var
     return score
