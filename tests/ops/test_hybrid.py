@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import subquad
 import subquad.ops.hybrid as hybrid
 from conftest import qkv
 from subquad.ops.hybrid import HybridOptions, hybrid_attention, plan
@@ -183,3 +184,19 @@ def test_tree_groups_similar_keys():
     halves = labels[order[0, 0]].view(2, 16)
     assert coarse == 16 and slot_valid.all()
     assert {tuple(h.unique().tolist()) for h in halves} == {(0,), (1,)}
+
+
+@pytest.mark.parametrize("opts", [
+    dict(budget=16, block_size=2, scoring="bounds", grouping="contiguous"),
+    dict(budget=16, block_size=8, scoring="second_order", query_group=3),
+    dict(budget=16, block_size=2, candidates=4, scoring="second_order"),
+    dict(budget=16, block_size=4, candidates=8, scoring="mean", grouping="contiguous"),
+], ids=["bounds-contiguous", "blocks8-grouped", "two-stage", "two-stage-mean"])
+def test_flop_formula_matches_counted(opts):
+    from subquad.bench.flops import counted_flops, forward_flops
+    from subquad.bench.workload import full_options
+
+    q, k, v = qkv(1, 2, 70, 16, dv=8, seed=11, dtype=torch.float32)
+    counted = counted_flops(lambda: hybrid_attention(q, k, v, **opts))
+    info = subquad.get_method("hybrid")
+    assert forward_flops("hybrid", 1, 2, 70, 70, 16, 8, full_options(info, opts)) == counted

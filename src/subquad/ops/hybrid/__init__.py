@@ -491,32 +491,49 @@ def _combine(logits, ve, ok, sub, egroup, qk, count, values):
     return num / torch.where(den > 0, den, torch.ones_like(den))
 
 
+def _vector_flops(n: int, groups: int, D: int, scoring: str) -> tuple[int, int, int]:
+    """Matmul FLOPs of :func:`group_vectors` for ``groups`` groups of ``n`` slots, the vectors
+    each group is scored by, and their width."""
+    if scoring != "second_order":
+        return 0, 1, (2 * D if scoring == "bounds" else D)
+    if n <= EXACT_VARIANCE:
+        return 0, 1 + n, D
+    r = min(2, n, D)
+    if n <= D:  # Gram matrix, then the principal rows
+        return groups * (2 * n * n * D + 2 * r * n * D), 1 + r, D
+    return groups * 2 * n * D * D, 1 + r, D  # covariance
+
+
 def flops(B, H, N, M, D, Dv, o) -> int:
-    """Matmul FLOPs of one non-causal forward (tree or contiguous grouping, per-query selection)."""
+    """Matmul FLOPs of one non-causal forward (counted as ``torch.utils.flop_counter`` does)."""
     if o["budget"] >= M:
         return 2 * B * H * N * M * (D + Dv)
     p = plan(HybridOptions(**o), M, False)
     bs = p.block_size
     if p.grouping == "tree":
-        depth = max(_tree_depth(M, bs), int(math.log2(p.num_summaries)))
-        S = bs << depth
-        tree = depth * p.tree_iterations * 2 * (2 * S * D)  # u <- X^T (X u) per split
-        tree += depth * 2 * S * D  # the final projection
+        S = bs << max(_tree_depth(M, bs), int(math.log2(p.num_summaries)))
+        levels = int(math.log2(S // bs))
+        total = levels * (p.tree_iterations * 2 + 1) * 2 * S * D  # power iteration and projection
     else:
-        coarse = -(-M // (p.num_summaries * bs)) * bs
-        S = coarse * p.num_summaries
-        tree = 0
+        S = -(-M // (p.num_summaries * bs)) * bs * p.num_summaries
+        total = 0
     L = S // bs
     nq = -(-N // p.query_group)
-    vectors = {"mean": 1, "bounds": 2, "second_order": 3}[p.scoring]
-    scoring = 2 * nq * L * D * vectors
-    if p.scoring == "second_order":
-        r = min(2, bs)
-        scoring += 2 * L * bs * bs * D + 2 * L * r * bs * D  # gram and the principal vectors
-    E = p.window + p.num_selected * bs
+    per_node = leaves_per_node(L, p.candidates)
+    nodes = -(-L // per_node)
+    leaf_cost, r, width = _vector_flops(bs, nodes * per_node, D, p.scoring)
+    total += leaf_cost
+    if nodes == 1:
+        total += 2 * nq * L * r * width
+    else:
+        padded = -(-nq // QUERY_BLOCK) * QUERY_BLOCK
+        node_cost, rn, _ = _vector_flops(per_node * bs, nodes, D, p.scoring)
+        c = min(max(1, p.candidates // per_node), nodes)
+        total += node_cost + 2 * padded * (nodes * rn + c * per_node * r) * width
+    E = min(p.window, M) + p.num_selected * bs
     G = p.num_summaries
-    attend = 2 * N * E * D + 2 * N * G * D + 2 * N * E * Dv + 2 * N * G * Dv
-    return B * H * (tree + scoring + attend)
+    total += 2 * N * (E + G) * (D + Dv)  # exact logits and values, summaries' logits and values
+    return B * H * total
 
 
 @register_method(
