@@ -5,7 +5,9 @@ For query ``i`` the keys fall in three sets:
 
 - the **window**: ``window`` keys around ``i`` (causal: ``i - window + 1 .. i``);
 - the **selected groups**: the ``num_selected`` key groups (leaves of ``block_size`` keys) that
-  score highest for ``i``; keys of a selected group that are in the window count once;
+  score highest for ``i``; keys of a selected group that are in the window count once. With more
+  than ``candidates`` leaves, selection runs in two stages (see :func:`_candidates`), so its cost
+  per query does not grow like ``N / block_size``;
 - the **rest**, split by ``num_summaries`` coarse groups. A coarse group ``c`` enters as one
   summary: its count ``n'`` and mean key and value over the keys of ``c`` that are not attended
   exactly, weighted ``n' exp(s q.k') `` in the normaliser. So no key is silently dropped.
@@ -19,9 +21,8 @@ similarity: split the keys recursively at the median of their top principal dire
 iteration) down to leaves of ``block_size``; the coarse groups are the tree's nodes at depth
 ``log2(num_summaries)``. Scoring (``scoring``) of a group for a query (scale ``s``):
 ``"second_order"``, ``s q.k_mean + log n + s^2 Var_j(q.k_j) / 2`` with the variance from the
-rank-2 principal part of the group's key deviations (exact for groups of up to 4 keys; the log
-of a group's attention mass to
-second order); ``"bounds"``, the largest ``s q.k`` a key within the group's elementwise key
+rank-2 principal part of the group's key deviations, exact for groups of up to 4 keys (the log
+of a group's attention mass to second order); ``"bounds"``, the largest ``s q.k`` a key within the group's elementwise key
 min/max box can reach (Quest, Tang et al. 2024); ``"mean"``, ``s q.k_mean`` (MoBA, Lu et al. 2025).
 The idea of compressed + selected + window terms follows Native Sparse Attention (Yuan et al.
 2025); grouping by key similarity follows clustered attention (Vyas et al. 2020).
@@ -37,6 +38,10 @@ Causal mode uses contiguous groups only (a tree over all keys would let later ke
 choice): the window, groups that end before the window, and summaries of the keys before the
 window, built from prefix sums, so nothing after ``i`` is read. Selection is discrete and has no
 gradient; everything else (window, selected keys, summaries) is differentiable.
+
+Cost: O(N (budget + candidates) D) plus the tree, O(N D log N). On CPU this is not yet faster than
+exact SDPA at the lengths measured (``benchmarks/results/hybrid_speed.md``): the exact keys are
+gathered per query, and the gathers and small per-query products dominate.
 """
 
 from __future__ import annotations
