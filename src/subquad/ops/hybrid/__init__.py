@@ -289,7 +289,8 @@ def group_scores(phi: Tensor, vecs: Tensor, count: Tensor, scoring: str, scale: 
     score = proj[..., 0] * scale
     if scoring == "second_order":
         n = count.clamp_min(1).to(score.dtype).unsqueeze(-2)
-        score = score + n.log() + 0.5 * scale * scale * proj[..., 1:].square().sum(-1) / n
+        var = torch.linalg.vector_norm(proj[..., 1:], dim=-1).square_()  # no temporary of proj's size
+        score = score + n.log() + 0.5 * scale * scale * var / n
     return score.masked_fill((count == 0).unsqueeze(-2), -math.inf)
 
 
@@ -335,7 +336,8 @@ def _candidates(phi, ko, slot_valid, lo, p: HybridPlan, scale: float, causal: bo
     top, node = block_score.topk(min(max(1, p.candidates // per_node), nodes), dim=-1)  # (B, H, nb, c)
     cand = (node.unsqueeze(-1) * per_node + torch.arange(per_node, device=ko.device)).flatten(-2)
     r, dphi = vecs.shape[-2:]
-    cvecs = _rows(vecs.flatten(-2), cand).unflatten(-1, (r, dphi))  # (B, H, nb, C, r, Dphi)
+    # the candidates are whole nodes: gather each node's leaf vectors as one row
+    cvecs = _rows(vecs.reshape(B, H, nodes, -1), node).view(B, H, nb, -1, r, dphi)  # (B, H, nb, C, r, Dphi)
     ccount = count.gather(2, cand.flatten(2)).view(cand.shape)
     score = group_scores(phib, cvecs, ccount, p.scoring, scale)  # (B, H, nb, QB, C)
     score = score.masked_fill(~(top > -math.inf).repeat_interleave(per_node, -1).unsqueeze(-2), -math.inf)
