@@ -163,3 +163,15 @@ def fake_minilm(monkeypatch):
     monkeypatch.setattr(minilm, "missing_packages", lambda: [])
     monkeypatch.setattr(minilm, "capture_qkv", capture)
     return texts
+
+
+def run_cli(argv, capsys):
+    """(exit code, stdout, stderr) of ``subquad ARGV`` through its Python entry."""
+    from subquad import cli
+
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err

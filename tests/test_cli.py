@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import subquad
+from conftest import run_cli
 from subquad import cli, cli_base
 from subquad.bench import compare
 from subquad.bench.compare import Config
@@ -13,14 +14,6 @@ from subquad.bench.compare import Config
 FAST = ["--min-run-time", "0.001", "--quiet"]
 
 
-def run_cli(argv, capsys):
-    """(exit code, stdout, stderr) of ``subquad ARGV``."""
-    try:
-        code = cli.main(argv)
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_help_exits_0(capsys):

@@ -6,6 +6,7 @@ import json
 import pytest
 
 import subquad
+from conftest import run_cli
 from subquad import cli
 from subquad.bench import compare, minilm
 from subquad.bench.common import Config
@@ -17,13 +18,6 @@ TINY = ["--n", "16", "24", "--heads", "2", "--dim", "8", "--min-run-time", "0.00
 METHODS = ["--methods", "linear", "nystrom", "hamburger", "-o", "nystrom.num_landmarks=4"]
 
 
-def run_cli(argv, capsys):
-    try:
-        code = cli.main(argv)
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def _no_capture(monkeypatch):
