@@ -151,7 +151,7 @@ def test_cycle_finder_finds_a_cycle():
 
 
 def _functions():
-    for name, path in MODULES.items():
+    for path in MODULES.values():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 first = min([node.lineno] + [d.lineno for d in node.decorator_list])

@@ -22,9 +22,9 @@ iteration) down to leaves of ``block_size``; the coarse groups are the tree's no
 ``log2(num_summaries)``. Scoring (``scoring``) of a group for a query (scale ``s``):
 ``"second_order"``, ``s q.k_mean + log n + s^2 Var_j(q.k_j) / 2`` with the variance from the
 rank-2 principal part of the group's key deviations, exact for groups of up to 4 keys (the log
-of a group's attention mass to second order); ``"bounds"``, the largest ``s q.k`` a key within the group's elementwise key
-min/max box can reach (Quest, Tang et al. 2024); ``"mean"``, ``s q.k_mean`` (MoBA, Lu et al. 2025).
-The idea of compressed + selected + window terms follows Native Sparse Attention (Yuan et al.
+of a group's attention mass to second order); ``"bounds"``, the largest ``s q.k`` a key within
+the group's elementwise key min/max box can reach (Quest, Tang et al. 2024); ``"mean"``,
+``s q.k_mean`` (MoBA, Lu et al. 2025). The idea of compressed + selected + window terms follows Native Sparse Attention (Yuan et al.
 2025); grouping by key similarity follows clustered attention (Vyas et al. 2020).
 
 Budget: ``budget`` = keys attended exactly + summaries, per query. The parts not given are
@@ -46,6 +46,7 @@ gathered per query, and the gathers and small per-query products dominate.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -446,7 +447,7 @@ def _hybrid_core(q, k, v, valid, causal: bool, scale: float, p: HybridPlan) -> T
         logits = (ke @ q[:, :, rows].unsqueeze(-1)).squeeze(-1) * scale  # (B, H, n, E)
         cnt_rows = count if count.shape[2] == 1 else count[:, :, rows]
         outs.append(_combine(logits, ve, ok[:, :, rows], sub[:, :, rows], egroup[:, :, rows],
-                             qk[:, :, rows] * scale, cnt_rows, lambda pc: values(pc, rows)))
+                             qk[:, :, rows] * scale, cnt_rows, functools.partial(values, rows=rows)))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
