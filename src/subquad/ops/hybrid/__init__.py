@@ -24,8 +24,9 @@ iteration) down to leaves of ``block_size``; the coarse groups are the tree's no
 rank-2 principal part of the group's key deviations, exact for groups of up to 4 keys (the log
 of a group's attention mass to second order); ``"bounds"``, the largest ``s q.k`` a key within
 the group's elementwise key min/max box can reach (Quest, Tang et al. 2024); ``"mean"``,
-``s q.k_mean`` (MoBA, Lu et al. 2025). The idea of compressed + selected + window terms follows Native Sparse Attention (Yuan et al.
-2025); grouping by key similarity follows clustered attention (Vyas et al. 2020).
+``s q.k_mean`` (MoBA, Lu et al. 2025). The idea of compressed + selected + window terms follows
+Native Sparse Attention (Yuan et al. 2025); grouping by key similarity follows clustered attention
+(Vyas et al. 2020).
 
 Budget: ``budget`` = keys attended exactly + summaries, per query. The parts not given are
 derived from it: ``num_summaries`` = the largest power of two <= ``budget / 8``, ``window`` =
