@@ -136,7 +136,7 @@ def _head(q, k, v, valid, causal, scale, exact, p: HybridPlan):
     return out
 
 
-def _candidates(q, k, valid, leaves, lo_first: int, block_queries: list[Tensor], p: HybridPlan, causal,
+def _candidates(k, valid, leaves, lo_first: int, block_queries: list[Tensor], p: HybridPlan, causal,
                 scale) -> list[int]:
     """Candidate leaves of one block of (pooled) queries: every leaf in one stage, else the
     leaves of the best nodes (runs of ``per_node`` leaves) by the best score any query of the
@@ -170,7 +170,7 @@ def _selected(q, k, valid, leaves, i, lo, hi, p: HybridPlan, causal, scale) -> s
     block = range((gi // qb) * qb, min((gi // qb + 1) * qb, len(pooled)))
     first = block[0] * g
     lo_first = _window(first, N, M, p.window, causal)[0]
-    cands = _candidates(q, k, valid, leaves, lo_first, [pooled[t] for t in block], p, causal, scale)
+    cands = _candidates(k, valid, leaves, lo_first, [pooled[t] for t in block], p, causal, scale)
     scored = []
     for index in cands:
         leaf = leaves[index]
