@@ -61,6 +61,17 @@ def test_matches_naive(case, masked, query_block):
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("candidates", [256, 4])
+def test_large_leaves_match_naive(candidates, query_block):
+    """Leaves of more than EXACT_VARIANCE keys: a leaf scores with its keys' exact logit
+    variance, a first-stage node with the rank-2 part."""
+    q, k, v = qkv(2, 2, 41, 8, m=45, dv=5, seed=7)
+    opts = dict(budget=20, block_size=5, window=3, num_selected=2, num_summaries=2, candidates=candidates)
+    out = hybrid_attention(q, k, v, key_padding_mask=_mask(45), **opts)
+    torch.testing.assert_close(out, hybrid_attention_naive(q, k, v, _mask(45), False, None, **opts),
+                               rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[7], CASES[9]], ids=lambda c: "-".join(map(str, c)))
 def test_gradients_match_naive(case):
     n, m, causal, grouping, scoring, group, candidates = case

@@ -6,8 +6,8 @@ For query ``i`` the keys fall in three sets:
 - the **window**: ``window`` keys around ``i`` (causal: ``i - window + 1 .. i``);
 - the **selected groups**: the ``num_selected`` key groups (leaves of ``block_size`` keys) that
   score highest for ``i``; keys of a selected group that are in the window count once. With more
-  than ``candidates`` leaves, selection runs in two stages (see :func:`_candidates`), so its cost
-  per query does not grow like ``N / block_size``;
+  than ``candidates`` leaves, selection runs in two stages (see :func:`_candidate_nodes`), so
+  its cost per query does not grow like ``N / block_size``;
 - the **rest**, split by ``num_summaries`` coarse groups. A coarse group ``c`` enters as one
   summary: its count ``n'`` and mean key and value over the keys of ``c`` that are not attended
   exactly, weighted ``n' exp(s q.k') `` in the normaliser. So no key is silently dropped.
@@ -20,9 +20,10 @@ Grouping (``grouping``): ``"contiguous"`` blocks of positions, or ``"tree"``, ke
 similarity: split the keys recursively at the median of their top principal direction (power
 iteration) down to leaves of ``block_size``; the coarse groups are the tree's nodes at depth
 ``log2(num_summaries)``. Scoring (``scoring``) of a group for a query (scale ``s``):
-``"second_order"``, ``s q.k_mean + log n + s^2 Var_j(q.k_j) / 2`` with the variance from the
-rank-2 principal part of the group's key deviations, exact for groups of up to 4 keys (the log
-of a group's attention mass to second order); ``"bounds"``, the largest ``s q.k`` a key within
+``"second_order"``, ``s q.k_mean + log n + s^2 Var_j(q.k_j) / 2`` (the log of a group's
+attention mass to second order), for a leaf with the exact variance of its keys' logits, for a
+first-stage node with the variance from the rank-2 principal part of its key deviations (exact up
+to :data:`EXACT_VARIANCE` keys); ``"bounds"``, the largest ``s q.k`` a key within
 the group's elementwise key min/max box can reach (Quest, Tang et al. 2024); ``"mean"``,
 ``s q.k_mean`` (MoBA, Lu et al. 2025). The idea of compressed + selected + window terms follows
 Native Sparse Attention (Yuan et al. 2025); grouping by key similarity follows clustered attention
@@ -40,14 +41,20 @@ choice): the window, groups that end before the window, and summaries of the key
 window, built from prefix sums, so nothing after ``i`` is read. Selection is discrete and has no
 gradient; everything else (window, selected keys, summaries) is differentiable.
 
-Cost: O(N (budget + candidates) D) plus the tree, O(N D log N). On CPU this is not yet faster than
-exact SDPA at the lengths measured (``benchmarks/results/hybrid_speed.md``): the exact keys are
-gathered per query, and the gathers and small per-query products dominate.
+How it is computed: queries go in blocks of about :data:`QUERY_BLOCK` that share their candidate
+leaves. One product of a block's queries with its window keys and its candidates' keys gives
+every logit the block needs: the leaf scores (mean, log count and variance of each leaf's
+logits), and the exact keys' logits, picked from it; the exact keys' weights are scattered back
+into a dense row and take one product with the same keys' values. No per-query gathers: every
+product is a dense matrix product of a block. Cost: O(N (window + candidates * block_size) D)
+plus the tree, O(N D log N) per power iteration; at N = 16384 and D = 64 about
+8% of exact attention's FLOPs. On CPU it is faster than SDPA at long N, but far from that FLOP
+ratio: the tree's passes over the keys and the selection's elementwise work cost as much as the
+products (``benchmarks/results/hybrid_speed.md``).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -297,7 +304,8 @@ def group_scores(phi: Tensor, vecs: Tensor, count: Tensor, scoring: str, scale: 
 
 
 def _window_bounds(N: int, M: int, w: int, causal: bool, device) -> Tensor:
-    """First key position of each query's window ``(N,)`` (may be negative when causal)."""
+    """First key position of each query's window ``(N,)`` (may be negative when causal); it never
+    decreases with the query."""
     i = torch.arange(N, device=device)
     if causal:
         return i - w + 1
@@ -305,92 +313,182 @@ def _window_bounds(N: int, M: int, w: int, causal: bool, device) -> Tensor:
     return (center - w // 2).clamp(0, M - w)
 
 
-def _candidates(phi, ko, slot_valid, lo, p: HybridPlan, scale: float, causal: bool):
-    """Candidate leaves of each (pooled) query and their scores, ``(B, H, Nq, C)`` each.
+def _extend(x: Tensor, n: int, dim: int) -> Tensor:
+    """``x`` lengthened to ``n`` along ``dim`` by repeating its last entry."""
+    extra = n - x.shape[dim]
+    if extra == 0:
+        return x
+    last = x.narrow(dim, x.shape[dim] - 1, 1)
+    return torch.cat([x, last.expand(*x.shape[:dim], extra, *x.shape[dim + 1:])], dim)
 
-    One stage (every leaf a candidate) up to ``p.candidates`` leaves. Beyond, two stages: the
-    leaves are gathered in nodes of :func:`leaves_per_node` consecutive leaves (subtrees of the
-    tree); every block of :data:`QUERY_BLOCK` queries takes the ``candidates // per_node`` nodes
-    with the highest score for any of its queries (causal: for its first query, among nodes that
-    end before that query's window), and each query scores the leaves of those nodes."""
+
+def _candidate_nodes(phi, ko, slot_valid, lo, p: HybridPlan, scale: float, causal: bool, qpb: int):
+    """First stage of selection: the nodes (runs of :func:`leaves_per_node` leaves, subtrees of
+    the tree) whose leaves are the candidates of each block of ``qpb`` (pooled) queries,
+    ``(B, H, nb, c)``, and whether each is a real pick. A block takes the ``candidates //
+    per_node`` nodes with the highest score for any of its queries (causal: for its first query,
+    among nodes that end before that query's window). With at most ``candidates`` leaves there
+    is one node, every block's candidate."""
     B, H, S, D = ko.shape
-    bs, Nq = p.block_size, phi.shape[2]
-    L = S // bs
-    per_node = leaves_per_node(L, p.candidates)
-    nodes = -(-L // per_node)
-    pad = (nodes * per_node - L) * bs
-    ko, slot_valid = F.pad(ko, (0, 0, 0, pad)), F.pad(slot_valid, (0, pad))
-    vecs, count = group_vectors(ko.view(B, H, -1, bs, D), slot_valid.view(B, H, -1, bs), p.scoring)
+    per_node = leaves_per_node(S // p.block_size, p.candidates)
+    nodes, nb = S // (per_node * p.block_size), phi.shape[2] // qpb
     if nodes == 1:
-        score = group_scores(phi, vecs, count, p.scoring, scale)
-        return score, torch.arange(L, device=ko.device).expand_as(score)
-    node_vecs, node_count = group_vectors(ko.view(B, H, nodes, -1, D), slot_valid.view(B, H, nodes, -1), p.scoring)
-    nb = -(-Nq // QUERY_BLOCK)
-    phib = F.pad(phi, (0, 0, 0, nb * QUERY_BLOCK - Nq)).unflatten(2, (nb, QUERY_BLOCK))
-    node_score = group_scores(phib, node_vecs.unsqueeze(2), node_count.unsqueeze(2), p.scoring, scale)
-    if causal:  # the block's first query, among nodes that end before its window
-        first = lo[:: QUERY_BLOCK].clamp_min(0)
-        ends = (torch.arange(nodes, device=ko.device) + 1) * per_node * bs
-        block_score = node_score[:, :, :, 0].masked_fill(ends[None, :] > first[:, None], -math.inf)
+        node = torch.zeros(B, H, nb, 1, dtype=torch.long, device=ko.device)
+        return node, torch.ones_like(node, dtype=torch.bool)
+    vecs, count = group_vectors(ko.view(B, H, nodes, -1, D), slot_valid.view(B, H, nodes, -1), p.scoring)
+    score = group_scores(phi.unflatten(2, (nb, qpb)), vecs.unsqueeze(2), count.unsqueeze(2), p.scoring, scale)
+    if causal:  # query_group is 1: block b starts at query b * qpb
+        first = lo[::qpb].clamp_min(0)
+        ends = (torch.arange(nodes, device=ko.device) + 1) * per_node * p.block_size
+        block_score = score[:, :, :, 0].masked_fill(ends[None, :] > first[:, None], -math.inf)
     else:
-        rows = torch.arange(nb * QUERY_BLOCK, device=ko.device).view(nb, QUERY_BLOCK, 1) < Nq
-        block_score = node_score.masked_fill(~rows, -math.inf).amax(3)
-    top, node = block_score.topk(min(max(1, p.candidates // per_node), nodes), dim=-1)  # (B, H, nb, c)
-    cand = (node.unsqueeze(-1) * per_node + torch.arange(per_node, device=ko.device)).flatten(-2)
-    r, dphi = vecs.shape[-2:]
-    # the candidates are whole nodes: gather each node's leaf vectors as one row
-    cvecs = _rows(vecs.reshape(B, H, nodes, -1), node).view(B, H, nb, -1, r, dphi)  # (B, H, nb, C, r, Dphi)
-    ccount = count.gather(2, cand.flatten(2)).view(cand.shape)
-    score = group_scores(phib, cvecs, ccount, p.scoring, scale)  # (B, H, nb, QB, C)
-    score = score.masked_fill(~(top > -math.inf).repeat_interleave(per_node, -1).unsqueeze(-2), -math.inf)
-    cand = cand.unsqueeze(3).expand_as(score)
-    return score.flatten(2, 3)[:, :, :Nq], cand.flatten(2, 3)[:, :, :Nq]
+        block_score = score.amax(3)
+    top, node = block_score.topk(min(max(1, p.candidates // per_node), nodes), dim=-1)
+    return node, top > -math.inf
 
 
-def _select(phi, ko, slot_valid, lo, p: HybridPlan, N: int, M: int, scale: float, causal: bool):
-    """Top ``num_selected`` leaves per query: indices ``(B, H, N, s)`` and whether each pick is
-    a real one (a query with fewer candidate leaves gets fewer)."""
-    score, cand = _candidates(phi, ko, slot_valid, lo, p, scale, causal)
-    if p.query_group > 1:
-        score = score.repeat_interleave(p.query_group, dim=2)[:, :, :N]
-        cand = cand.repeat_interleave(p.query_group, dim=2)[:, :, :N]
-    if p.grouping == "contiguous":
-        start = cand * p.block_size
-        end = start + p.block_size  # exclusive
-        if causal:  # only leaves that end before the window
-            blocked = end > lo[:, None].clamp_min(0)
+def logit_scores(x: Tensor, count: Tensor, block_size: int, scoring: str) -> Tensor:
+    """Scores of leaves from their keys' logits: x ``(..., Q, L * block_size)``, ``s q.k`` over
+    the slots of ``L`` leaves, **zero** at slots without a real key; count ``(..., 1, L)`` real
+    keys per leaf -> ``(..., Q, L)``: the mean logit (``mean``), plus ``log n`` and half the
+    logits' variance (``second_order``, the exact variance); -inf for a leaf without real keys.
+    Two reading passes over ``x``: its sums and its sums of squares."""
+    x = x.unflatten(-1, (-1, block_size))
+    n = count.clamp_min(1).to(x.dtype)
+    score = x.sum(-1) / n
+    if scoring == "second_order":
+        var = (torch.linalg.vector_norm(x, dim=-1).square_() / n - score.square()).clamp_min_(0)
+        score = score + n.log() + 0.5 * var
+    return score.masked_fill(count == 0, -math.inf)
+
+
+@dataclass
+class _Call:
+    """What the runs of query blocks of one forward share. Queries are padded to whole blocks of
+    ``qpb * query_group`` by repeating the last one; ``keys``/``values`` hold the keys by position
+    (rows ``0 .. M-1``) and then by slot (rows ``M + slot``; zero in invalid slots), so one
+    gather fetches both a block's window and its candidates."""
+
+    p: HybridPlan
+    scale: float
+    causal: bool
+    q: Tensor  # (B, H, Np, D)
+    lo: Tensor  # (Np,) first window position of each query
+    phi: Tensor  # (B, H, Np / query_group, Dphi) what leaves are scored against
+    node: Tensor  # (B, H, nb, c) candidate nodes of each block
+    node_ok: Tensor
+    order: Tensor  # (B, H, S) key position in each slot (>= M: a padding slot)
+    slot_valid: Tensor
+    group_of: Tensor  # (B, H, M) coarse group of each key position
+    valid: Tensor  # (B, M)
+    keys: Tensor  # (B, H, M + S, D)
+    values: Tensor  # (B, H, M + S, Dv)
+    leaf_box: Tensor | None  # (B, H, L, 1, 2 D) leaf key boxes, scoring "bounds"
+    per_node: int
+    qpb: int
+    summaries: object  # see _summaries
+
+
+def _leaf_scores(c: _Call, blocks: slice, slots: Tensor, sv: Tensor, lc: Tensor, kc: Tensor) -> Tensor:
+    """Scores of the candidate leaves for every query of ``blocks`` ``(B, H, nb, QB, C)``, from
+    the candidate logits ``lc`` (pooled queries: from their own logits against the candidate keys
+    ``kc``; ``bounds``: from the leaves' key boxes)."""
+    p = c.p
+    B, H, nbk, cs = slots.shape
+    g = p.query_group
+    phi = c.phi[:, :, blocks.start * c.qpb: blocks.stop * c.qpb].unflatten(2, (nbk, c.qpb))
+    if p.scoring == "bounds":
+        box = _rows(c.leaf_box.reshape(*c.node.shape[:2], -1, c.per_node * c.leaf_box.shape[-1]),
+                    c.node[:, :, blocks])
+        count = sv.view(B, H, nbk, -1, p.block_size).sum(-1)
+        score = group_scores(phi, box.view(B, H, nbk, -1, 1, c.leaf_box.shape[-1]), count, "bounds", c.scale)
+    else:  # keys of invalid slots are zero in c.keys, so are their logits
+        x = lc if g == 1 else (phi * c.scale) @ kc.transpose(-2, -1)
+        score = logit_scores(x, sv.view(B, H, nbk, 1, -1, p.block_size).sum(-1), p.block_size, p.scoring)
+    score = score.masked_fill(~c.node_ok[:, :, blocks].repeat_interleave(c.per_node, -1).unsqueeze(-2), -math.inf)
+    return score.repeat_interleave(g, dim=3) if g > 1 else score
+
+
+def _exact_columns(c: _Call, blocks: slice, U: int, slots: Tensor, lc: Tensor, kc: Tensor):
+    """The keys each query of ``blocks`` attends exactly, as columns of its block's gathered rows
+    (``U`` window rows, then the candidate slots ``slots`` ``(B, H, nb, Cs)``): ``cols``, their
+    key positions ``pos`` and whether each is a real one ``ok``, ``(B, H, nb, QB, E)``; the window
+    first, then the selected leaves' real keys outside the window (window keys count once)."""
+    p = c.p
+    bs, w, M = p.block_size, p.window, c.group_of.shape[-1]
+    B, H, nbk, cs = slots.shape
+    lo = c.lo[blocks.start * c.qpb * p.query_group: blocks.stop * c.qpb * p.query_group].view(nbk, -1, 1)
+    sv = c.slot_valid.gather(2, slots.flatten(2)).view(slots.shape)
+    score = _leaf_scores(c, blocks, slots, sv, lc, kc)
+    if p.grouping == "contiguous":  # slots are positions
+        start = slots[..., ::bs].unsqueeze(-2)
+        end = start + bs  # exclusive
+        if c.causal:  # only leaves that end before the window
+            blocked = end > lo.clamp_min(0)
         else:  # skip leaves that lie inside the window
-            blocked = (start >= lo[:, None]) & (end.clamp_max(M) <= lo[:, None] + p.window)
+            blocked = (start >= lo) & (end.clamp_max(M) <= lo + w)
         score = score.masked_fill(blocked, -math.inf)
-    top, idx = score.topk(min(p.num_selected, score.shape[-1]), dim=-1)
-    last = slot_valid.shape[-1] // p.block_size - 1  # a pick of an (empty) padding leaf is no pick
-    return cand.gather(-1, idx).clamp_max(last), top > -math.inf
+    top, leaf = score.topk(min(p.num_selected, score.shape[-1]), dim=-1)
+    col = (leaf.unsqueeze(-1) * bs + torch.arange(bs, device=lo.device)).flatten(-2)
+    slot = slots.unsqueeze(3).expand(*col.shape[:4], cs).gather(-1, col)
+    pos = c.order.gather(2, slot.flatten(2)).view(slot.shape)
+    ok = c.slot_valid.gather(2, slot.flatten(2)).view(slot.shape) & (top > -math.inf).repeat_interleave(bs, -1)
+    ok &= (pos < lo) | (pos >= lo + w)
+    win = lo + torch.arange(w, device=lo.device)  # (nb, QB, w)
+    win_ok = ((win >= 0) & (win < M)).unsqueeze(0) & c.valid[:, win.clamp(0, M - 1)]  # (B, nb, QB, w)
+    win_col = (win - lo[:, :1]).expand(B, H, *win.shape)
+    cols = torch.cat([win_col, U + col], -1)
+    pos = torch.cat([win.clamp(0, M - 1).expand(B, H, *win.shape), pos.clamp_max(M - 1)], -1)
+    ok = torch.cat([win_ok.unsqueeze(1).expand(B, H, *win.shape), ok], -1)
+    return cols, pos, ok
+
+
+def _attend(c: _Call, blocks: slice, U: int) -> Tensor:
+    """Outputs of the queries of ``blocks`` ``(B, H, nb * QB, Dv)``: one product of the block's
+    queries with its ``U`` window keys and its candidate keys gives every logit the block needs
+    (selection scores and exact logits); the selected ones are picked from it, and the exact
+    keys' weights, scattered back into a dense row, take one product with the values."""
+    p = c.p
+    B, H, _, D = c.q.shape
+    M, nbk = c.group_of.shape[-1], blocks.stop - blocks.start
+    qb_size = c.qpb * p.query_group
+    rows = slice(blocks.start * qb_size, blocks.stop * qb_size)
+    wpos = c.lo[rows][::qb_size, None] + torch.arange(U, device=c.q.device)  # (nb, U)
+    span = c.per_node * p.block_size
+    slots = (c.node[:, :, blocks, :, None] * span + torch.arange(span, device=c.q.device)).flatten(-2)
+    idx = torch.cat([wpos.clamp(0, M - 1).expand(B, H, nbk, U), M + slots], -1)
+    kx, vx = _rows(c.keys, idx), _rows(c.values, idx)  # (B, H, nb, U + Cs, D | Dv)
+    logits_all = (c.q[:, :, rows].unflatten(2, (nbk, qb_size)) * c.scale) @ kx.transpose(-2, -1)
+    with torch.no_grad():
+        cols, pos, ok = _exact_columns(c, blocks, U, slots, logits_all[..., U:], kx[..., U:, :])
+        egroup = c.group_of.gather(2, pos.flatten(2)).view(pos.shape)
+    logits = logits_all.gather(-1, cols).flatten(2, 3)
+    qk, count, sub, egroup, values = c.summaries(rows, pos.flatten(2, 3), ok.flatten(2, 3), egroup.flatten(2, 3))
+
+    def exact_values(we):
+        dense = torch.zeros_like(logits_all).scatter_add_(-1, cols, we.unflatten(2, (nbk, qb_size)))
+        return (dense @ vx).flatten(2, 3)
+
+    return _combine(logits, exact_values, ok.flatten(2, 3), sub, egroup, qk, count, values)
+
+
+def _runs(N: int, M: int, window: int, causal: bool, qb_size: int, cs: int, row_bytes: int) -> list[tuple[slice, int]]:
+    """Runs of query blocks attended together, each with ``U``, the window positions that cover
+    its blocks' windows; a run's gathered keys and values take about ``CHUNK_BYTES``. Plain
+    integers (the window bounds of :func:`_window_bounds`, which never decrease), so that
+    ``torch.compile`` sees fixed sizes."""
+
+    def lo(i):
+        return i - window + 1 if causal else min(max((2 * i + 1) * M // (2 * N) - window // 2, 0), M - window)
+
+    span = [lo(min(b + qb_size, N) - 1) - lo(b) for b in range(0, N, qb_size)]
+    nb = len(span)
+    step = max(1, CHUNK_BYTES // ((max(span) + window + cs) * row_bytes))
+    return [(slice(b, min(b + step, nb)), max(span[b: b + step]) + window) for b in range(0, nb, step)]
 
 
 # ----------------------------------------------------------------------------------------------
 # attention
-
-
-def _exact_positions(order, slot_valid, leaf, picked, lo, valid, p: HybridPlan, causal: bool):
-    """Key positions attended exactly ``(B, H, N, E)`` and whether each is a real one: the
-    window first, then the selected leaves' keys that are real and outside the window."""
-    B, H, S = order.shape
-    N, M = lo.shape[0], valid.shape[-1]
-    i = torch.arange(N, device=lo.device)
-    win = lo[:, None] + torch.arange(p.window, device=lo.device)  # (N, w)
-    win_ok = (win >= 0) & (win < M)
-    if causal:
-        win_ok &= win <= i[:, None]
-    win = win.clamp(0, M - 1)
-    win_ok = win_ok & valid[:, win]  # (B, N, w)
-    slots = (leaf.unsqueeze(-1) * p.block_size + torch.arange(p.block_size, device=lo.device)).flatten(-2)
-    flat = slots.flatten(2)
-    sel = order.gather(2, flat).view(slots.shape)
-    sel_ok = slot_valid.gather(2, flat).view(slots.shape) & picked.repeat_interleave(p.block_size, -1)
-    sel_ok &= (sel < lo[:, None]) | (sel >= lo[:, None] + p.window)  # window keys count once
-    pos = torch.cat([win.expand(B, H, N, p.window), sel.clamp_max(M - 1)], dim=-1)
-    ok = torch.cat([win_ok.unsqueeze(1).expand(B, H, N, p.window), sel_ok], dim=-1)
-    return pos, ok
 
 
 def _slot_sums(ko, vo, slot_valid, coarse_size):
@@ -412,79 +510,100 @@ def _pooled(q: Tensor, g: int) -> Tensor:
     return sums / sizes.to(q.dtype)[:, None]
 
 
+def _block_size(query_group: int) -> tuple[int, int]:
+    """Pooled queries and queries per block of queries that share candidates: about
+    :data:`QUERY_BLOCK` queries, whole runs of ``query_group``."""
+    qpb = max(1, QUERY_BLOCK // query_group)
+    return qpb, qpb * query_group
+
+
 def _hybrid_core(q, k, v, valid, causal: bool, scale: float, p: HybridPlan) -> Tensor:
     B, H, N, D = q.shape
-    M = k.shape[2]
+    M, bs = k.shape[2], p.block_size
+    qpb, qb_size = _block_size(p.query_group)
+    nq = -(-N // qb_size) * qb_size
     with torch.no_grad():
         order, slot_valid, coarse_size = build_groups(k, valid, p)
+        S = order.shape[-1]
+        per_node = leaves_per_node(S // bs, p.candidates)
+        extra = -S % (per_node * bs)  # whole nodes: padding slots at positions S, S + 1, ...
+        order = torch.cat([order, torch.arange(S, S + extra, device=q.device).expand(B, H, extra)], -1)
+        slot_valid = F.pad(slot_valid, (0, extra))
     ko, vo = _rows(k, order.clamp_max(M - 1)), _rows(v, order.clamp_max(M - 1))
+    qp = _extend(q, nq, 2)
     with torch.no_grad():
-        lo = _window_bounds(N, M, p.window, causal, q.device)
-        phi = _phi(q if p.query_group == 1 else _pooled(q, p.query_group), p.scoring)
-        leaf, picked = _select(phi, ko.detach(), slot_valid, lo, p, N, M, scale, causal)
-        pos, ok = _exact_positions(order, slot_valid, leaf, picked, lo, valid, p, causal)
+        lo = _extend(_window_bounds(N, M, p.window, causal, q.device), nq, 0)
+        phi = _extend(_phi(q if p.query_group == 1 else _pooled(q, p.query_group), p.scoring), nq // p.query_group, 2)
+        node, node_ok = _candidate_nodes(phi, ko.detach(), slot_valid, lo, p, scale, causal, qpb)
+        leaf_box = None
+        if p.scoring == "bounds":
+            leaf_box = group_vectors(ko.detach().view(B, H, -1, bs, D), slot_valid.view(B, H, -1, bs), "bounds")[0]
         # the coarse group of every key position: invert the slot order
         slot_group = (torch.arange(order.shape[-1], device=q.device) // coarse_size).expand_as(order)
         group_of = torch.empty_like(order).scatter_(2, order, slot_group)[..., :M]
-        egroup = group_of.gather(2, pos.flatten(2)).view(pos.shape)
+    summaries = _summaries(qp, ko[:, :, :S], vo[:, :, :S], slot_valid[:, :, :S], coarse_size, lo, causal, scale)
+    c = _Call(p, scale, causal, qp, lo, phi, node, node_ok, order, slot_valid, group_of, valid,
+              torch.cat([k, ko * slot_valid.unsqueeze(-1)], 2), torch.cat([v, vo], 2), leaf_box, per_node, qpb,
+              summaries)
+    cs = node.shape[-1] * per_node * bs
+    row_bytes = B * H * (D + v.shape[-1]) * q.element_size()
+    outs = [_attend(c, blocks, U) for blocks, U in _runs(N, M, p.window, causal, qb_size, cs, row_bytes)]
+    return torch.cat(outs, 2)[:, :, :N]
+
+
+def _summaries(q, ko, vo, slot_valid, coarse_size, lo, causal: bool, scale: float):
+    """The coarse columns, as a function of a run of query rows and its exact keys (``pos``,
+    ``ok``, ``egroup``: ``(B, H, n, E)``) that returns what :func:`_combine` takes: scaled
+    ``q . key sums``, counts, which exact keys leave a summary, each one's column, and the value
+    function. Non-causal: the coarse groups whole, and every exact key leaves its group."""
     cnt, ks, vs = _slot_sums(ko, vo, slot_valid, coarse_size)
     if causal:
-        qk, count, values, egroup, sub = _causal_summaries(q, cnt, ks, vs, egroup, pos, ok, p.window)
-    else:
-        vsum = vs.sum(3)
-        qk, count, sub = q @ ks.sum(3).transpose(-2, -1), cnt.sum(3).squeeze(-1).unsqueeze(2), ok
+        return _causal_summaries(q, cnt, ks, vs, lo, scale)
+    qk = (q @ ks.sum(3).transpose(-2, -1)) * scale
+    count, vsum = cnt.sum(3).squeeze(-1).unsqueeze(2), vs.sum(3)
 
-        def values(pc, rows):
-            return pc @ vsum
+    def columns(rows, pos, ok, egroup):
+        return qk[:, :, rows], count, ok, egroup, lambda pc: pc @ vsum
 
-    # The exact keys are gathered per query: in runs of queries whose gathered keys and values
-    # take about CHUNK_BYTES, so they stay in cache instead of one N x E x D allocation.
-    E, Dv = pos.shape[-1], v.shape[-1]
-    step = max(1, CHUNK_BYTES // (B * H * E * (D + Dv) * q.element_size()))
-    outs = []
-    for start in range(0, N, step):
-        rows = slice(start, start + step)
-        ke, ve = _rows(k, pos[:, :, rows]), _rows(v, pos[:, :, rows])  # (B, H, n, E, D | Dv)
-        logits = (ke @ q[:, :, rows].unsqueeze(-1)).squeeze(-1) * scale  # (B, H, n, E)
-        cnt_rows = count if count.shape[2] == 1 else count[:, :, rows]
-        outs.append(_combine(logits, ve, ok[:, :, rows], sub[:, :, rows], egroup[:, :, rows],
-                             qk[:, :, rows] * scale, cnt_rows, functools.partial(values, rows=rows)))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return columns
 
 
-def _causal_summaries(q, cnt, ks, vs, egroup, pos, ok, window):
+def _causal_summaries(q, cnt, ks, vs, lo, scale: float):
     """Causal: the summarised region of query ``i`` is the keys before its window, ``[0, a_i)``.
     Groups that end by ``a_i`` enter whole; the group holding ``a_i`` enters with the part
-    before ``a_i`` (within-group prefix sums) as an extra column ``G``, per query. Returns
-    ``q . key sums`` ``(B, H, N, G+1)``, counts, the value function, each exact key's column and
-    which exact keys leave a summary (those before ``a_i``: the selected ones)."""
+    before ``a_i`` (within-group prefix sums) as an extra column ``G``, per query. Only selected
+    keys (all before ``a_i``) leave a summary."""
     B, H, G, C, _ = cnt.shape
-    N = q.shape[2]
-    a = (torch.arange(N, device=q.device) - window + 1).clamp_min(0)
+    a = lo.clamp_min(0)
     g_a, r_a = (a // C).clamp_max(G - 1), a % C  # a_i < N <= G C, so g_a < G
     full = torch.arange(G, device=q.device)[None, :] < g_a[:, None]  # (N, G)
     pre_c, pre_k, pre_v = (F.pad(t.cumsum(3), (0, 0, 1, 0))[:, :, :, :-1] for t in (cnt, ks, vs))
     part_c, part_k, part_v = (t[:, :, g_a, r_a] for t in (pre_c, pre_k, pre_v))  # (B, H, N, .)
     tot_k, tot_v = ks.sum(3), vs.sum(3)
-    qk = torch.cat([q @ tot_k.transpose(-2, -1), (q * part_k).sum(-1, keepdim=True)], dim=-1)
+    qk = torch.cat([q @ tot_k.transpose(-2, -1), (q * part_k).sum(-1, keepdim=True)], dim=-1) * scale
     count = torch.cat([cnt.sum(3).squeeze(-1).unsqueeze(2) * full, part_c], dim=-1)
-    egroup = torch.where(egroup == g_a[:, None], G, egroup)
-    sub = ok & (pos < a[:, None])
 
-    def values(pc, rows):
-        return pc[..., :G] @ tot_v + pc[..., G:] * part_v[:, :, rows]
+    def columns(rows, pos, ok, egroup):
+        egroup = torch.where(egroup == g_a[rows, None], G, egroup)
+        sub = ok & (pos < a[rows, None])
 
-    return qk, count, values, egroup, sub
+        def values(pc):
+            return pc[..., :G] @ tot_v + pc[..., G:] * part_v[:, :, rows]
+
+        return qk[:, :, rows], count[:, :, rows], sub, egroup, values
+
+    return columns
 
 
-def _combine(logits, ve, ok, sub, egroup, qk, count, values):
+def _combine(logits, exact_values, ok, sub, egroup, qk, count, values):
     """Softmax over the exact keys and the summaries.
 
-    ``logits`` ``(B, H, N, E)`` of the exact keys (``ok``: real ones), their values ``ve``;
-    ``qk`` ``(B, H, N, G)``: scaled ``q . (key sum)`` of each summary column before taking out
-    exact keys, ``count`` ``(B, H, N or 1, G)`` its keys; ``sub`` marks exact keys to take out
-    of their column ``egroup``; ``values(p)`` maps column weights ``(B, H, N, G)`` to
-    ``sum_c p_c (value sum of c)``. A summary's logit is the mean logit of what is left in it."""
+    ``logits`` ``(B, H, N, E)`` of the exact keys (``ok``: real ones); ``exact_values(w)`` maps
+    their weights to ``sum_j w_j v_j``; ``qk`` ``(B, H, N, G)``: scaled ``q . (key sum)`` of
+    each summary column before taking out exact keys, ``count`` ``(B, H, N or 1, G)`` its keys;
+    ``sub`` marks exact keys to take out of their column ``egroup``; ``values(p)`` maps column
+    weights ``(B, H, N, G)`` to ``sum_c p_c (value sum of c)``. A summary's logit is the mean
+    logit of what is left in it."""
     subf = sub.to(logits.dtype)
     zeros = torch.zeros_like(qk)
     rest = count - zeros.scatter_add(-1, egroup, subf)
@@ -495,7 +614,7 @@ def _combine(logits, ve, ok, sub, egroup, qk, count, values):
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     pe, pc = torch.exp(le - m), torch.exp(lc - m)
     we = pe - pc.gather(-1, egroup) * subf  # exact keys out of their summary's value sum
-    num = (we.unsqueeze(-2) @ ve).squeeze(-2) + values(pc)
+    num = exact_values(we) + values(pc)
     den = pe.sum(-1, keepdim=True) + (pc * rest.clamp_min(0.0)).sum(-1, keepdim=True)
     return num / torch.where(den > 0, den, torch.ones_like(den))
 
@@ -514,7 +633,8 @@ def _vector_flops(n: int, groups: int, D: int, scoring: str) -> tuple[int, int, 
 
 
 def flops(B, H, N, M, D, Dv, o) -> int:
-    """Matmul FLOPs of one non-causal forward (counted as ``torch.utils.flop_counter`` does)."""
+    """Matmul FLOPs of one non-causal float32 forward (counted as ``torch.utils.flop_counter``
+    does)."""
     if o["budget"] >= M:
         return 2 * B * H * N * M * (D + Dv)
     p = plan(HybridOptions(**o), M, False)
@@ -527,21 +647,24 @@ def flops(B, H, N, M, D, Dv, o) -> int:
         S = -(-M // (p.num_summaries * bs)) * bs * p.num_summaries
         total = 0
     L = S // bs
-    nq = -(-N // p.query_group)
     per_node = leaves_per_node(L, p.candidates)
     nodes = -(-L // per_node)
-    leaf_cost, r, width = _vector_flops(bs, nodes * per_node, D, p.scoring)
-    total += leaf_cost
-    if nodes == 1:
-        total += 2 * nq * L * r * width
-    else:
-        padded = -(-nq // QUERY_BLOCK) * QUERY_BLOCK
-        node_cost, rn, _ = _vector_flops(per_node * bs, nodes, D, p.scoring)
+    qpb, qb_size = _block_size(p.query_group)
+    nb = -(-N // qb_size)
+    c = 1
+    if nodes > 1:
+        node_cost, rn, width = _vector_flops(per_node * bs, nodes, D, p.scoring)
         c = min(max(1, p.candidates // per_node), nodes)
-        total += node_cost + 2 * padded * (nodes * rn + c * per_node * r) * width
-    E = min(p.window, M) + p.num_selected * bs
-    G = p.num_summaries
-    total += 2 * N * (E + G) * (D + Dv)  # exact logits and values, summaries' logits and values
+        total += node_cost + 2 * nb * qpb * nodes * rn * width
+    cs = c * per_node * bs
+    for blocks, U in _runs(N, M, p.window, False, qb_size, cs, B * H * (D + Dv) * 4):
+        n = blocks.stop - blocks.start
+        total += 2 * n * qb_size * (U + cs) * (D + Dv)  # every logit of the block, exact keys' values
+        if p.scoring == "bounds":
+            total += 2 * n * qpb * (cs // bs) * 2 * D
+        elif p.query_group > 1:  # the pooled queries' logits
+            total += 2 * n * qpb * cs * D
+    total += 2 * nb * qb_size * p.num_summaries * (D + Dv)  # summaries' logits and values
     return B * H * total
 
 

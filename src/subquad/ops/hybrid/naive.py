@@ -64,8 +64,11 @@ def groups_naive(k: Tensor, valid: Tensor, p: HybridPlan) -> list[list[int]]:
     return [slots[i : i + bs] for i in range(0, S, bs)]
 
 
-def leaf_scores_naive(q: Tensor, k: Tensor, leaf: list[int], valid: Tensor, scoring: str, scale: float) -> float:
-    """The score of one leaf for one query ``q`` ``(D,)``; -inf for a leaf with no real key."""
+def leaf_scores_naive(q: Tensor, k: Tensor, leaf: list[int], valid: Tensor, scoring: str, scale: float,
+                      rank: int | None = None) -> float:
+    """The score of a group of key slots (a leaf, or a first-stage node) for one query ``q``
+    ``(D,)``; -inf for a group with no real key. ``second_order`` takes the variance from the top
+    ``rank`` singular pairs of the key deviations (None: all of them, the exact variance)."""
     M = k.shape[0]
     real = [j for j in leaf if j < M and bool(valid[j])]
     if not real:
@@ -78,7 +81,7 @@ def leaf_scores_naive(q: Tensor, k: Tensor, leaf: list[int], valid: Tensor, scor
     if scoring == "second_order":
         dev = x - x.mean(0)
         _, sv, vh = torch.linalg.svd(dev, full_matrices=False)
-        r = vh.shape[0] if len(leaf) <= _hybrid.EXACT_VARIANCE else min(2, vh.shape[0])
+        r = vh.shape[0] if rank is None else min(rank, vh.shape[0])
         var = sum(float(q @ (sv[t] * vh[t])) ** 2 for t in range(r)) / len(real)
         score += math.log(len(real)) + 0.5 * scale * scale * var
     return score
@@ -149,12 +152,13 @@ def _candidates(k, valid, leaves, lo_first: int, block_queries: list[Tensor], p:
     scored = []
     for node in range(nodes):
         members = [j for leaf in leaves[node * per_node : (node + 1) * per_node] for j in leaf]
+        rank = None if len(members) <= _hybrid.EXACT_VARIANCE else 2
         if causal:
             ends = (node + 1) * per_node * p.block_size
-            s = leaf_scores_naive(block_queries[0], k, members, valid, p.scoring, scale)
+            s = leaf_scores_naive(block_queries[0], k, members, valid, p.scoring, scale, rank)
             s = -math.inf if ends > max(lo_first, 0) else s
         else:
-            s = max(leaf_scores_naive(qb, k, members, valid, p.scoring, scale) for qb in block_queries)
+            s = max(leaf_scores_naive(qb, k, members, valid, p.scoring, scale, rank) for qb in block_queries)
         scored.append((s, node))
     top = sorted(scored, key=lambda t: -t[0])[: min(max(1, p.candidates // per_node), nodes)]
     return [node * per_node + t for s, node in top if s > -math.inf for t in range(per_node)
@@ -164,7 +168,8 @@ def _candidates(k, valid, leaves, lo_first: int, block_queries: list[Tensor], p:
 def _selected(q, k, valid, leaves, i, lo, hi, p: HybridPlan, causal, scale) -> set[int]:
     """Keys of the leaves chosen for query ``i`` (real keys outside the window)."""
     M, N = k.shape[0], q.shape[0]
-    g, qb = p.query_group, _hybrid.QUERY_BLOCK
+    g = p.query_group
+    qb = max(1, _hybrid.QUERY_BLOCK // g)  # pooled queries per block
     pooled = [q[t : min(t + g, N)].mean(0) for t in range(0, N, g)]
     gi = i // g
     block = range((gi // qb) * qb, min((gi // qb + 1) * qb, len(pooled)))
