@@ -164,18 +164,26 @@ def _tree_depth(n_keys: int, block_size: int) -> int:
     return max(0, math.ceil(math.log2(max(1, -(-n_keys // block_size)))))
 
 
-def _top_direction(x: Tensor, valid: Tensor, iterations: int) -> tuple[Tensor, Tensor]:
-    """Centred valid rows of ``x`` ``(..., n, D)`` (invalid rows zero) and their top principal
-    direction ``(..., D)``, by power iteration from the row farthest from the mean."""
-    count = valid.sum(-1, keepdim=True).clamp_min(1).unsqueeze(-1)
-    mean = (x * valid.unsqueeze(-1)).sum(-2, keepdim=True) / count
-    dev = (x - mean) * valid.unsqueeze(-1)
-    far = dev.square().sum(-1).argmax(-1, keepdim=True)
-    u = dev.gather(-2, far.unsqueeze(-1).expand(*far.shape, x.shape[-1])).squeeze(-2)
+def _principal_projection(x: Tensor, valid: Tensor, iterations: int) -> Tensor:
+    """Projections ``(..., n)`` of the centred valid rows of ``x`` ``(..., n, D)`` on their top
+    principal direction (power iteration from the row farthest from the mean); +inf at invalid
+    rows. The deviations are never formed: ``(x - mean) u = x u - mean . u``, so each step reads
+    ``x`` twice and writes nothing of its size."""
+    w = valid.to(x.dtype)
+    mean = (w.unsqueeze(-2) @ x) / w.sum(-1, keepdim=True).clamp_min(1).unsqueeze(-1)  # (..., 1, D)
+
+    def centred(u):  # (x_j - mean) . u, zero at invalid rows
+        return ((x @ u.unsqueeze(-1)).squeeze(-1) - (mean @ u.unsqueeze(-1)).squeeze(-1)) * w
+
+    dist = (torch.linalg.vector_norm(x, dim=-1).square_() - 2 * (x @ mean.transpose(-2, -1)).squeeze(-1)
+            + mean.square().sum(-1)) * w
+    far = dist.argmax(-1, keepdim=True)
+    u = (x.gather(-2, far.unsqueeze(-1).expand(*far.shape, x.shape[-1])) - mean).squeeze(-2)
     for _ in range(iterations):
-        u = (dev.transpose(-2, -1) @ (dev @ u.unsqueeze(-1))).squeeze(-1)
+        xu = centred(u)
+        u = (xu.unsqueeze(-2) @ x).squeeze(-2) - mean.squeeze(-2) * xu.sum(-1, keepdim=True)
         u = u / u.norm(dim=-1, keepdim=True).clamp_min(1e-30)
-    return dev, u
+    return centred(u).masked_fill(~valid, math.inf)
 
 
 def build_groups(k: Tensor, valid: Tensor, p: HybridPlan) -> tuple[Tensor, Tensor, int]:
@@ -206,9 +214,7 @@ def build_groups(k: Tensor, valid: Tensor, p: HybridPlan) -> tuple[Tensor, Tenso
         nodes = 1 << level
         x = _rows(k, order.clamp_max(M - 1)).view(B, H, nodes, S // nodes, D)
         sv = slot_valid.view(B, H, nodes, S // nodes)
-        dev, u = _top_direction(x, sv, p.tree_iterations)
-        proj = (dev @ u.unsqueeze(-1)).squeeze(-1).masked_fill(~sv, math.inf)
-        rank = proj.argsort(dim=-1, stable=True)
+        rank = _principal_projection(x, sv, p.tree_iterations).argsort(dim=-1, stable=True)
         order = order.view(B, H, nodes, -1).gather(-1, rank).view(B, H, S)
         slot_valid = sv.gather(-1, rank).view(B, H, S)
     return order, slot_valid, coarse
@@ -642,7 +648,8 @@ def flops(B, H, N, M, D, Dv, o) -> int:
     if p.grouping == "tree":
         S = bs << max(_tree_depth(M, bs), int(math.log2(p.num_summaries)))
         levels = int(math.log2(S // bs))
-        total = levels * (p.tree_iterations * 2 + 1) * 2 * S * D  # power iteration and projection
+        it = p.tree_iterations  # per level: mean, distances, power iteration, projection
+        total = levels * (6 + 4 * it) * S * D + (it + 1) * 2 * D * ((1 << levels) - 1)
     else:
         S = -(-M // (p.num_summaries * bs)) * bs * p.num_summaries
         total = 0
