@@ -210,13 +210,16 @@ def build_groups(k: Tensor, valid: Tensor, p: HybridPlan) -> tuple[Tensor, Tenso
     slot_valid = F.pad(valid, (0, S - M)).unsqueeze(1).expand(B, H, S).contiguous()
     if p.grouping == "contiguous":
         return order, slot_valid, coarse
+    x = _rows(k, order.clamp_max(M - 1))  # keys in slot order, kept in step with ``order``
     for level in range(int(math.log2(S // bs))):
         nodes = 1 << level
-        x = _rows(k, order.clamp_max(M - 1)).view(B, H, nodes, S // nodes, D)
         sv = slot_valid.view(B, H, nodes, S // nodes)
-        rank = _principal_projection(x, sv, p.tree_iterations).argsort(dim=-1, stable=True)
+        proj = _principal_projection(x.view(B, H, nodes, S // nodes, D), sv, p.tree_iterations)
+        rank = proj.argsort(dim=-1, stable=True)
         order = order.view(B, H, nodes, -1).gather(-1, rank).view(B, H, S)
         slot_valid = sv.gather(-1, rank).view(B, H, S)
+        # rows move within their node only: a local gather, cache-friendly at the deep levels
+        x = _rows(x, (rank + torch.arange(0, S, S // nodes, device=k.device)[:, None]).view(B, H, S))
     return order, slot_valid, coarse
 
 
