@@ -60,6 +60,10 @@ HYBRID_VARIANTS = [
     ("hybrid (grouping=contiguous; scoring=second_order)", {"grouping": "contiguous"}),
     ("hybrid (grouping=contiguous, scoring=bounds)", {"grouping": "contiguous", "scoring": "bounds"}),
     ("hybrid (query_group=32: one selection per 32 queries)", {"query_group": 32}),
+    # two-stage selection, as at long N: 128 leaves in 8 nodes of 16; each block of 64 queries
+    # scores the leaves of its best 4 (2) nodes only
+    ("hybrid (candidates=64: two-stage selection, 64 of 128 leaves)", {"candidates": 64}),
+    ("hybrid (candidates=32: two-stage selection, 32 of 128 leaves)", {"candidates": 32}),
 ]
 
 
