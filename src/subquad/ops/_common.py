@@ -1,16 +1,44 @@
-"""Helpers shared by several ops: checks of generator and tensor options, and random draws.
+"""Helpers shared by several ops: checks of generator and tensor options, random draws, and the
+thread policy for small CPU work.
 
 (Input checks of q, k, v and of plain options are in :mod:`subquad.checks`.)
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["check_generator", "check_tensor_option", "randn"]
+__all__ = ["SMALL_WORK", "check_generator", "check_tensor_option", "one_thread", "randn"]
+
+#: elements below which a chain of elementwise kernels runs on one thread (see :func:`one_thread`)
+SMALL_WORK = 1 << 18
+
+
+@contextlib.contextmanager
+def one_thread(active: bool = True):
+    """``with one_thread(cond):`` torch runs on one thread inside the block when ``cond`` holds
+    (pass ``tensor.device.type == "cpu"`` and the work is small).
+
+    torch splits an elementwise kernel over its threads from about 32k elements on, and a
+    batched LAPACK call over its batch; each split ends at a barrier where every thread waits
+    for the slowest. On a CPU whose other cores are busy, a thread the OS has descheduled turns
+    that wait into a scheduler time slice, milliseconds for microseconds of work: measured on
+    2 cores with both busy, a QR of 4 matrices of 64 x 64 took 470 ms on two threads and 1.3 ms
+    on one, 14 rounds of log-softmax over (8, 64, 64) 108 ms and 0.3 ms. Small work gains
+    nothing from a second thread when the machine is quiet, so it runs on one."""
+    if not active or torch.compiler.is_compiling() or torch.get_num_threads() == 1:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def check_generator(method: str, generator: Any) -> None:

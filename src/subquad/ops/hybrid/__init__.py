@@ -64,6 +64,7 @@ from torch import Tensor
 
 from ...checks import check_choice, check_int
 from ...registry import register_method
+from .._common import one_thread
 from .._masks import compute_dtype, compute_precision
 from ..softmax import softmax_attention
 
@@ -265,18 +266,11 @@ def _principal(dev: Tensor, r: int) -> Tensor:
 
 
 def _eigh(a: Tensor) -> tuple[Tensor, Tensor]:
-    """``torch.linalg.eigh`` of a batch of small matrices on one thread. Batched eigh splits the
-    batch over threads, and on a CPU whose other cores are busy that runs 100x slower (measured:
-    512 matrices of 64 x 64, 0.5 s on one thread, 40-80 s on two with the second core loaded;
-    torch 2.13)."""
-    if a.device.type != "cpu" or torch.compiler.is_compiling():
+    """``torch.linalg.eigh`` of a batch of small matrices, on one thread on CPU (see
+    :func:`~subquad.ops._common.one_thread`: 512 matrices of 64 x 64 took 0.5 s on one thread,
+    40-80 s on two with the second core loaded; torch 2.13)."""
+    with one_thread(a.device.type == "cpu"):
         return torch.linalg.eigh(a)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return torch.linalg.eigh(a)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def group_vectors(x: Tensor, sv: Tensor, scoring: str) -> tuple[Tensor, Tensor]:

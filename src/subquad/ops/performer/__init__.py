@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ...checks import check_bool, check_float, check_int
 from ...registry import register_method
-from .._common import check_generator, check_tensor_option
+from .._common import check_generator, check_tensor_option, one_thread
 from .._masks import compute_dtype, compute_precision, masked_fill_value, no_key_rows
 from ..linear import _safe_den, kernel_attention
 
@@ -45,7 +45,8 @@ def random_projection(
     else:
         n_blocks = -(-num_features // dim)
         g = torch.randn(n_blocks, dim, dim, generator=generator, dtype=draw_dtype, device=gen_device)
-        qm, r = torch.linalg.qr(g)
+        with one_thread(gen_device.type == "cpu"):  # a batch of small QRs: no gain from threads
+            qm, r = torch.linalg.qr(g)
         qm = qm * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)
         blocks = qm.transpose(-2, -1)  # rows of each block are orthonormal
         w = blocks.reshape(n_blocks * dim, dim)[:num_features]

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._common import SMALL_WORK, one_thread
 from .._masks import masked_fill_value
 
 __all__ = [
@@ -62,6 +63,12 @@ def log_sinkhorn(log_alpha: Tensor, iterations: int, support: Tensor | None = No
     """
     fill = masked_fill_value(log_alpha.dtype)
     out = log_alpha if support is None else log_alpha.masked_fill(~support, fill)
+    small = log_alpha.device.type == "cpu" and log_alpha.numel() <= SMALL_WORK
+    with one_thread(small):  # many tiny kernels (see one_thread)
+        return _sinkhorn_rounds(out, iterations, support, fill)
+
+
+def _sinkhorn_rounds(out: Tensor, iterations: int, support: Tensor | None, fill: float) -> Tensor:
     for _ in range(iterations):
         # log_softmax is x - logsumexp(x) in one fused, stable kernel (forward and backward)
         out = out.log_softmax(dim=-1)
