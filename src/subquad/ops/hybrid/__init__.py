@@ -173,10 +173,12 @@ def _principal_projection(x: Tensor, valid: Tensor, iterations: int) -> Tensor:
     w = valid.to(x.dtype)
     mean = (w.unsqueeze(-2) @ x) / w.sum(-1, keepdim=True).clamp_min(1).unsqueeze(-1)  # (..., 1, D)
 
+    # products with x as row vector times x^T: (1, D) @ (D, n) runs several times faster on CPU
+    # than (n, D) @ (D, 1)
     def centred(u):  # (x_j - mean) . u, zero at invalid rows
-        return ((x @ u.unsqueeze(-1)).squeeze(-1) - (mean @ u.unsqueeze(-1)).squeeze(-1)) * w
+        return ((u.unsqueeze(-2) @ x.mT).squeeze(-2) - (mean @ u.unsqueeze(-1)).squeeze(-1)) * w
 
-    dist = (torch.linalg.vector_norm(x, dim=-1).square_() - 2 * (x @ mean.transpose(-2, -1)).squeeze(-1)
+    dist = (torch.linalg.vector_norm(x, dim=-1).square_() - 2 * (mean @ x.mT).squeeze(-2)
             + mean.square().sum(-1)) * w
     far = dist.argmax(-1, keepdim=True)
     u = (x.gather(-2, far.unsqueeze(-1).expand(*far.shape, x.shape[-1])) - mean).squeeze(-2)
