@@ -42,7 +42,8 @@ def kernel_attention(
         out = _causal_chunked(phi_q, phi_k, F.pad(v, (0, 1), value=1.0), chunk_size)
         return out[..., :-1] / _safe_den(out[..., -1:])
     num = phi_q @ (phi_k.transpose(-2, -1) @ v)
-    den = phi_q @ phi_k.sum(-2, keepdim=True).transpose(-2, -1)
+    # (1, F) @ (F, N) rather than (N, F) @ (F, 1): several times faster on CPU
+    den = (phi_k.sum(-2, keepdim=True) @ phi_q.transpose(-2, -1)).transpose(-2, -1)
     return num.div_(_safe_den(den))  # in place: num is not saved for backward
 
 
@@ -79,8 +80,10 @@ def _causal_chunked(phi_q: Tensor, phi_k: Tensor, v1: Tensor, chunk: int) -> Ten
 
 
 def elu_feature_map(x: Tensor) -> Tensor:
-    """``elu(x) + 1``: positive, and linear for x > 0."""
-    return F.elu(x) + 1.0
+    """``elu(x) + 1``: positive, and linear for x > 0. The 1 is added in place: a fresh output
+    of the size of x costs page faults comparable to the elu itself (elu's backward reads its
+    input, not its output, so autograd allows it)."""
+    return F.elu(x).add_(1.0)
 
 
 @dataclass
