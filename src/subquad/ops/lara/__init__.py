@@ -96,7 +96,9 @@ def _lara_terms(q, k, v, mu, omega, q_landmarks, scale, key_padding_mask, query_
         r_logits = r_logits.masked_fill(query_padding_mask[:, None, :, None], neg)
     r = torch.softmax(r_logits, dim=-2)  # r'_nc: softmax over queries
     # alpha = bh + lambda (r' - mean_c r'), clamped, then its log; tiled over the sample blocks
-    alpha = r.mul(alpha_coeff).sub_(r.mean(-1, keepdim=True).mul_(alpha_coeff))
+    mean = r.mean(-1, keepdim=True).mul_(alpha_coeff)
+    # in place when autograd does not keep r (softmax's backward reads it): no fresh (N, C) tensor
+    alpha = (r.mul(alpha_coeff) if r.requires_grad else r.mul_(alpha_coeff)).sub_(mean)
     if reps == 1:
         alpha = alpha.add_(bh.unsqueeze(-2))
     else:
