@@ -4,6 +4,7 @@ attention transfer, per attention budget, and the speed of retrofitted models.
     .venv/bin/python benchmarks/retrofit.py                       # everything (about half an hour on 2 cores)
     .venv/bin/python benchmarks/retrofit.py --only quality        # the cosine table and plot
     .venv/bin/python benchmarks/retrofit.py --only speed          # encoder at 512 tokens, decoder at long N
+    .venv/bin/python benchmarks/retrofit.py --only encoder        # the encoder rows alone
 
 Writes benchmarks/results/retrofit.json, retrofit.md, retrofit_cosine.png, retrofit_speed.png and the
 committed artifacts retrofits/minilm-<method>.pt. Training text: docstrings of numpy, torch and
@@ -101,9 +102,8 @@ def quality(args) -> dict:
             "held_out_long": len(long_held), "cache_seconds": cache_s, "rows": rows}
 
 
-def speed(args) -> dict:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def encoder_speed(args) -> dict:
+    """MiniLM forward at 512 tokens, each retrofit against sdpa."""
     tok, model = load_minilm()
     text = " ".join(T.stdlib_paragraphs()[:60])
     enc = tok([text] * args.speed_batch, return_tensors="pt", truncation=True, max_length=512)
@@ -114,11 +114,18 @@ def speed(args) -> dict:
         enc_rows.append({"method": "sdpa (exact)", "seconds": base, "ratio": 1.0})
         for method, options in [("hedgehog", {"window": 64, "sinks": 1}), ("hedgehog", {}),
                                 ("nystrom", {"num_landmarks": 64}), ("performer", {"num_features": 256}),
-                                ("linear", {})]:
+                                ("linear", {}), ("hybrid", {})]:
             H.retrofit(model, method, **options)
             t = median_time(lambda: model(**enc), 1.0, num_threads=1).seconds
             enc_rows.append({"method": _label(method, options), "seconds": t, "ratio": base / t})
             H.unretrofit(model)
+    return {"batch": args.speed_batch, "tokens": 512, "rows": enc_rows}
+
+
+def speed(args) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    encoder = encoder_speed(args)
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1 << 15)
@@ -136,7 +143,7 @@ def speed(args) -> dict:
                 dec_rows.append({"n": n, "method": _label(method, options), "seconds": t, "ratio": base / t})
                 H.unretrofit(dec)
             print(json.dumps(dec_rows[-5:]), flush=True)
-    return {"threads": torch.get_num_threads(), "encoder": {"batch": args.speed_batch, "tokens": 512, "rows": enc_rows},
+    return {"threads": torch.get_num_threads(), "encoder": encoder,
             "decoder": {"config": "Llama, 2 layers, hidden 256, 4 heads of 64, random init, batch 1, forward (prefill)",
                         "rows": dec_rows}}
 
@@ -257,7 +264,8 @@ def plot(res: dict, out: Path) -> list[Path]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["quality", "speed"], default=None)
+    ap.add_argument("--only", choices=["quality", "speed", "encoder"], default=None,
+                    help="encoder: only the encoder speed rows (the decoder's are kept)")
     ap.add_argument("--methods", nargs="+", default=None, help="only these methods (quality)")
     ap.add_argument("--train-texts", type=int, default=32)
     ap.add_argument("--eval-texts", type=int, default=96)
@@ -282,6 +290,9 @@ def main() -> None:
         path.write_text(json.dumps(res, indent=1))
     if args.only in (None, "speed"):
         res["speed"] = speed(args)
+        path.write_text(json.dumps(res, indent=1))
+    if args.only == "encoder" and res.get("speed"):  # the decoder rows are kept
+        res["speed"]["encoder"] = encoder_speed(args)
         path.write_text(json.dumps(res, indent=1))
     (args.out / "retrofit.md").write_text(markdown(res))
     for p in plot(res, args.out):
