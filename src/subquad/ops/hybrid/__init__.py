@@ -364,7 +364,8 @@ def _candidate_nodes(phi, ko, slot_valid, lo, p: HybridPlan, scale: float, causa
         node = torch.zeros(B, H, nb, 1, dtype=torch.long, device=ko.device)
         return node, torch.ones_like(node, dtype=torch.bool)
     vecs, count = group_vectors(ko.view(B, H, nodes, -1, D), slot_valid.view(B, H, nodes, -1), p.scoring)
-    score = group_scores(phi.unflatten(2, (nb, qpb)), vecs.unsqueeze(2), count.unsqueeze(2), p.scoring, scale)
+    # every (pooled) query against every node in one product per head, then split into blocks
+    score = group_scores(phi, vecs, count, p.scoring, scale).unflatten(2, (nb, qpb))
     if causal:  # query_group is 1: block b starts at query b * qpb
         first = lo[::qpb].clamp_min(0)
         ends = (torch.arange(nodes, device=ko.device) + 1) * per_node * p.block_size
