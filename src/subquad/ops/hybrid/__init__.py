@@ -47,10 +47,13 @@ every logit the block needs: the leaf scores (mean, log count and variance of ea
 logits), and the exact keys' logits, picked from it; the exact keys' weights are scattered back
 into a dense row and take one product with the same keys' values. No per-query gathers: every
 product is a dense matrix product of a block. Cost: O(N (window + candidates * block_size) D)
-plus the tree, O(N D log N) per power iteration; at N = 16384 and D = 64 about
-8% of exact attention's FLOPs. On CPU it is faster than SDPA at long N, but far from that FLOP
-ratio: the tree's passes over the keys and the selection's elementwise work cost as much as the
-products (``benchmarks/results/hybrid_speed.md``).
+plus the tree, O(N D log N) per power iteration; at N = 16384 and D = 64 about 8% of exact
+attention's FLOPs. On a 2-core CPU it is 1.7x faster than SDPA at N = 16384 and slower below
+about 8k, far from that FLOP ratio: the tree's passes over the keys and the selection's
+elementwise work cost as much as the products (``benchmarks/results/hybrid_speed.md``). Two-stage
+selection costs fidelity: scoring half the leaves through first-stage nodes of 16 leaves raised
+the error on all-MiniLM-L6-v2 from 0.111 to 0.211 at budget 64
+(``benchmarks/results/real_fidelity.md``); smaller nodes recover most of it but cost more to score.
 """
 
 from __future__ import annotations
