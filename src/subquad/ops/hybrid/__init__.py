@@ -86,7 +86,7 @@ class HybridOptions:
     ``scoring``: ``"second_order"``, ``"bounds"`` or ``"mean"``; ``query_group``: queries that
     share one selection (by their mean query; 1 = per query; must be 1 when causal);
     ``tree_iterations``: power-iteration steps per tree split; ``candidates``: leaves scored per
-    query (more leaves than this are chosen in two stages, see :func:`_candidates`)."""
+    query (more leaves than this are chosen in two stages, see :func:`_candidate_nodes`)."""
 
     budget: int = 64
     window: int | None = None
@@ -256,8 +256,8 @@ def build_groups(k: Tensor, valid: Tensor, p: HybridPlan) -> tuple[Tensor, Tenso
 # selection
 
 
-CHUNK_BYTES = 1 << 24  # gathered exact keys and values per run of queries (see _hybrid_core)
-QUERY_BLOCK = 64  # (pooled) queries that share one set of candidate leaves in two-stage selection
+CHUNK_BYTES = 1 << 24  # gathered window and candidate keys and values per run of query blocks (see _runs)
+QUERY_BLOCK = 64  # queries (about) that share one set of candidate leaves (see _block_size)
 
 
 def leaves_per_node(n_leaves: int, candidates: int) -> int:
@@ -302,7 +302,8 @@ def _eigh(a: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def group_vectors(x: Tensor, sv: Tensor, scoring: str) -> tuple[Tensor, Tensor]:
-    """What a group of keys is scored by. x ``(..., G, n, D)``, sv ``(..., G, n)`` (real keys)
+    """What a group of keys (a first-stage node; a leaf for ``bounds``) is scored by against the
+    query features. x ``(..., G, n, D)``, sv ``(..., G, n)`` (real keys)
     -> vectors ``(..., G, r, Dphi)`` and key counts ``(..., G)``. ``mean``: the mean key;
     ``bounds``: the elementwise max and min, as one vector; ``second_order``: the mean key and
     the rank-2 principal part of the deviations (all of them for groups of up to
