@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ...checks import check_choice, check_int
 from ...registry import register_method
+from .._common import SMALL_WORK, one_thread
 from .._masks import compute_dtype, compute_precision, no_key_rows, padding_bias
 from ..softmax import flops as softmax_flops
 from ..softmax import softmax_attention
@@ -81,9 +82,12 @@ def iterative_pinv(a: Tensor, iterations: int = 6, init: str = "per_matrix") -> 
         raise ValueError(f"init must be 'per_matrix' or 'global', got {init!r}")
     z = a.transpose(-2, -1) / c
     eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
-    for _ in range(iterations):
-        az = a @ z
-        z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
+    # small matrices, many products: on one thread (see one_thread: with busy cores a split
+    # product waits at its barrier for a descheduled thread)
+    with one_thread(a.device.type == "cpu" and a.numel() <= SMALL_WORK):
+        for _ in range(iterations):
+            az = a @ z
+            z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
     return z
 
 
