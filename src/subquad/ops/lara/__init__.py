@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ...checks import check_bool, check_choice, check_float, check_int
 from ...registry import register_method
-from .._common import check_generator, randn
+from .._common import SMALL_WORK, check_generator, one_thread, randn
 from .._masks import compute_dtype, compute_precision, masked_fill_value, no_key_rows
 from ..nystrom import segment_means
 from ..ra import noise_std
@@ -79,16 +79,18 @@ def _lara_terms(q, k, v, mu, omega, q_landmarks, scale, key_padding_mask, query_
     z = e.sum(-1, keepdim=True)
     values = (e @ v) / z  # (B, H, K, Dv)
     log_z = (shift + z.log()).squeeze(-1)  # (B, H, K); the detached shift cancels in gradients
-    # proposals: log g_c'(w_j) up to a term in |w_j|^2 only
-    log_g = omega @ mu.transpose(-2, -1) - 0.5 * mu.square().sum(-1).unsqueeze(-2)  # (B, H, K, C)
-    log_mix = torch.logsumexp(log_g, dim=-1)  # (B, H, K)
+    if mis not in ("bh", "opt"):
+        raise ValueError(f"mis must be 'opt' or 'bh', got {mis!r}")
+    # proposals: log g_c'(w_j) up to a term in |w_j|^2 only; (K, C) matrices, on one thread
+    # on CPU (see one_thread: busy cores make each split of a tiny kernel wait a time slice)
+    with one_thread(omega.device.type == "cpu" and B * H * K * C <= SMALL_WORK):
+        log_g = omega @ mu.transpose(-2, -1) - 0.5 * mu.square().sum(-1).unsqueeze(-2)  # (B, H, K, C)
+        log_mix = torch.logsumexp(log_g, dim=-1)  # (B, H, K)
+        log_own = log_g.view(B, H, reps, C, C).diagonal(dim1=-2, dim2=-1).reshape(B, H, K)
+        bh = torch.exp(log_own - log_mix)  # balance heuristic
+        column = log_z - log_own
     if mis == "bh":
         return w_scaled, values, (log_z - log_mix).unsqueeze(-2)
-    if mis != "opt":
-        raise ValueError(f"mis must be 'opt' or 'bh', got {mis!r}")
-    log_own = log_g.view(B, H, reps, C, C).diagonal(dim1=-2, dim2=-1).reshape(B, H, K)
-    bh = torch.exp(log_own - log_mix)  # balance heuristic
-    column = log_z - log_own
     if not alpha_coeff:
         return w_scaled, values, (bh.clamp_min(_ALPHA_MIN).log() + column).unsqueeze(-2)
     r_logits = q @ (q_landmarks * scale).transpose(-2, -1)  # (B, H, N, C)
