@@ -1,11 +1,14 @@
-"""Helpers shared by the ops: the one-thread policy for small CPU work."""
+"""Helpers shared by the ops: the one-thread policy for small CPU work, and independent chains
+spread over threads of their own."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 
-from subquad.ops._common import one_thread
+from subquad.ops._common import one_thread, over_threads
 
 
 @pytest.fixture
@@ -32,3 +35,59 @@ def test_restored_after_an_error(two_threads):
     with pytest.raises(RuntimeError), one_thread(True):
         raise RuntimeError("inside")
     assert torch.get_num_threads() == 2
+
+
+def test_over_threads_runs_every_item_once_on_one_torch_thread_each(two_threads):
+    seen, lock = [], threading.Lock()
+
+    def work(i):
+        with lock:
+            seen.append((i, torch.get_num_threads(), threading.get_ident()))
+
+    over_threads(work, 7)
+    assert sorted(i for i, _, _ in seen) == list(range(7))
+    assert {t for _, t, _ in seen} == {1}
+    assert threading.get_ident() not in {ident for _, _, ident in seen}
+    assert torch.get_num_threads() == 2
+
+
+def test_over_threads_writes_disjoint_outputs_like_a_loop(two_threads):
+    x = torch.randn(6, 50, 40)
+    out = torch.empty(6, 50, 50)
+
+    def work(i):
+        torch.matmul(x[i], x[i].t(), out=out[i])
+
+    over_threads(work, 6)
+    torch.testing.assert_close(out, x @ x.transpose(1, 2))
+
+
+def test_over_threads_raises_the_error_of_a_call(two_threads):
+    def work(i):
+        if i == 3:
+            raise ValueError("item 3")
+
+    with pytest.raises(ValueError, match="item 3"):
+        over_threads(work, 5)
+    assert torch.get_num_threads() == 2
+
+
+def test_over_threads_stays_in_the_caller_on_one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        idents = []
+        over_threads(lambda i: idents.append(threading.get_ident()), 3)
+        assert idents == [threading.get_ident()] * 3
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_new_pool_after_a_fork(two_threads, monkeypatch):
+    import subquad.ops._common as common
+
+    over_threads(lambda i: None, 2)
+    before = common._pool[2]
+    monkeypatch.setattr(common.os, "getpid", lambda: -1)  # as in a forked child: the parent's threads are gone
+    over_threads(lambda i: None, 2)
+    assert common._pool[2] is not before

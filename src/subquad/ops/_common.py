@@ -1,5 +1,5 @@
 """Helpers shared by several ops: checks of generator and tensor options, random draws, and the
-thread policy for small CPU work.
+thread policies for CPU work (small work on one thread; independent heads on threads of their own).
 
 (Input checks of q, k, v and of plain options are in :mod:`subquad.checks`.)
 """
@@ -7,12 +7,15 @@ thread policy for small CPU work.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-__all__ = ["SMALL_WORK", "check_generator", "check_tensor_option", "one_thread", "randn"]
+__all__ = ["SMALL_WORK", "check_generator", "check_tensor_option", "one_thread", "over_threads", "randn"]
 
 #: elements below which a chain of elementwise kernels runs on one thread (see :func:`one_thread`)
 SMALL_WORK = 1 << 18
@@ -39,6 +42,56 @@ def one_thread(active: bool = True):
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+_pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, pool)
+_pool_lock = threading.Lock()
+
+
+def _workers(count: int) -> ThreadPoolExecutor:
+    """This process's pool of ``count`` worker threads (a new one after a fork, whose child has
+    none of the parent's threads, or when torch's thread count changed)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[:2] != (os.getpid(), count):
+            _pool = (os.getpid(), count, ThreadPoolExecutor(count, thread_name_prefix="subquad"))
+        return _pool[2]
+
+
+def _single_threaded(work: Callable[[int], None], threads: int) -> Callable[[int], None]:
+    """``work`` on one torch thread in the calling thread (OpenMP's setting is per thread), then
+    back to ``threads``, the caller's count (torch also keeps it for threads it starts later)."""
+
+    def run(i: int) -> None:
+        torch.set_num_threads(1)
+        try:
+            work(i)
+        finally:
+            torch.set_num_threads(threads)
+
+    return run
+
+
+def over_threads(work: Callable[[int], None], count: int) -> None:
+    """Call ``work(i)`` for ``i`` in ``range(count)``, spread over ``torch.get_num_threads()``
+    worker threads that each run torch on one thread; returns when every call has. ``work``
+    must write its results itself (into disjoint outputs) and be safe to run concurrently.
+
+    For many independent CPU chains (one per head) of kernels that are each too small to be
+    worth splitting. Split over torch's threads, every kernel ends at a barrier where each thread
+    waits for the slowest; on a CPU with another busy process the OS deschedules one of them
+    for a time slice at a time, and the waits add up: performer's 8-head forward at N = 4096
+    took 4.4x its quiet time there (``benchmarks/results/busy_cores.md``). Here each chain runs
+    whole on one thread, threads take the next chain when they finish one (a descheduled thread
+    holds back only its own chain), and there is one wait per call. Runs in the calling thread
+    when torch has one thread, and under ``torch.compile``."""
+    threads = torch.get_num_threads()
+    if threads == 1 or count == 1 or torch.compiler.is_compiling():
+        for i in range(count):
+            work(i)
+        return
+    for _ in _workers(min(threads, count)).map(_single_threaded(work, threads), range(count)):
+        pass
 
 
 def check_generator(method: str, generator: Any) -> None:

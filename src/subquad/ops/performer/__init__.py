@@ -6,6 +6,7 @@ random features, ``exp(q.k) = E_w[phi_w(q) phi_w(k)]`` with
 from __future__ import annotations
 
 import math
+import threading
 from itertools import repeat
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ from torch import Tensor
 
 from ...checks import check_bool, check_float, check_int
 from ...registry import register_method
-from .._common import check_generator, check_tensor_option, one_thread
+from .._common import check_generator, check_tensor_option, one_thread, over_threads
 from .._masks import compute_dtype, compute_precision, masked_fill_value, no_key_rows
 from ..linear import _safe_den, kernel_attention
 
@@ -224,7 +225,10 @@ def _bidirectional_streamed(q, k, v, w, scale, key_padding_mask, eps):
     On CPU the sequence is streamed in blocks so a feature block stays in cache between its
     matmul, exponential and the next matmul. Without autograd each (batch, head) is its own
     pair of 2-D matrix chains over ``_BLOCK_ELEMENTS // m``-row blocks, with one reused feature
-    block and the output written in place (batched bmm over heads was ~30% slower here); with
+    block and the output written in place (batched bmm over heads was ~30% slower here), and the
+    heads run on torch's threads one whole chain each (:func:`subquad.ops._common.over_threads`:
+    as fast as splitting every kernel when the machine is quiet, 2.6x faster with a busy
+    neighbour at N = 4096, ``benchmarks/results/busy_cores.md``); with
     autograd all heads go through batched blocks of ``_BLOCK_ELEMENTS`` elements (the per-head
     chains were ~10% slower there, forward plus backward). Off CPU all heads are one block.
     """
@@ -240,13 +244,18 @@ def _bidirectional_streamed(q, k, v, w, scale, key_padding_mask, eps):
     if cpu and not functional:
         rows = max(64, _BLOCK_ELEMENTS // m)
         out = q.new_empty(B, H, N, Dv)
-        # one feature block for every step: a fresh (rows, m) tensor per block costs page
-        # faults comparable to its matmul
-        buf = q.new_empty(min(rows, max(N, M)), m)
-        for b in range(B):
-            for h in range(H):
-                _favor_group(q[b, h], k[b, h], v[b, h], wt, scale, None if pad is None else pad[b, h], eps,
-                             rows, out[b, h], buf)
+        # one feature block per worker thread for every step: a fresh (rows, m) tensor per block
+        # costs page faults comparable to its matmul
+        scratch = threading.local()
+
+        def one_head(i: int) -> None:
+            b, h = divmod(i, H)
+            if not hasattr(scratch, "buf"):
+                scratch.buf = q.new_empty(min(rows, max(N, M)), m)
+            _favor_group(q[b, h], k[b, h], v[b, h], wt, scale, None if pad is None else pad[b, h], eps,
+                         rows, out[b, h], scratch.buf)
+
+        over_threads(one_head, B * H)
     else:
         rows = max(64, _BLOCK_ELEMENTS // max(1, B * H * m)) if cpu else max(N, M)
         flat = [t.reshape(B * H, *t.shape[2:]) for t in (q, k, v)]

@@ -20,6 +20,7 @@ paper's method. The block structure both share is in :mod:`.blocks`; the slow re
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ from torch import Tensor
 
 from ...checks import check_bool, check_float, check_int
 from ...registry import register_method
-from .._common import check_generator, check_tensor_option
+from .._common import check_generator, check_tensor_option, over_threads
 from .._masks import compute_dtype, compute_precision
 from .blocks import (
     _attend,
@@ -370,41 +371,42 @@ def _blocked_per_head(qc, kc, vc, perms, slot_ok, slot_bias, keep, causal, b, sc
 
     Each head's ``[sorted slots ; own block]`` keys and values ``(NB, (t + 1) * b, d)`` are
     built in one buffer (the own block copied in, the sorted slots written by their matmuls);
-    without autograd the two buffers are reused by every head and each head's output goes
-    straight into a ``(B, L, H, Dv)`` tensor (the layout of the module's projections, so the
-    module's transpose back is free). A whole-batch buffer would be ``2 (t + 1)`` times the
-    size of k and v, and fresh memory of that size costs as much here as the sorting itself.
+    without autograd the heads run on torch's threads one whole head each
+    (:func:`subquad.ops._common.over_threads`, robust to busy cores), the two buffers are reused
+    by every head of a thread and each head's output goes straight into a ``(B, L, H, Dv)``
+    tensor (the layout of the module's projections, so the module's transpose back is free).
+    A whole-batch buffer would be ``2 (t + 1)`` times the size of k and v, and fresh memory of
+    that size costs as much here as the sorting itself.
     Returns ``(B, H, L, Dv)`` (a transposed view of that tensor).
     """
     B, H, L, D = qc.shape
     Dv, t, nb = vc.shape[-1], perms.shape[2], L // b
     ok, key_bias = _visibility(slot_ok, slot_bias, keep, causal, b, qc.device)
+    # unbind, not indexing: the backward of x[i, h] writes a zero tensor of all of x per head
+    per_head = [[y.unbind(0) for y in x.unbind(0)] for x in (qc, kc, vc, perms)]
+
+    def head(i: int, h: int, bufs) -> Tensor:  # (nb, b, Dv)
+        q_h, k_h, v_h, p = (x[i][h] for x in per_head)
+        keys, values = _joint_blocks(p, k_h, b, bufs[0]), _joint_blocks(p, v_h, b, bufs[1])
+        ok_h = None if ok is None else ok[min(i, ok.shape[0] - 1), min(h, ok.shape[1] - 1)][None]
+        qb, keys = _with_bias_column(q_h.view(nb, b, D), keys, None if key_bias is None else key_bias[i, h], scale)
+        return _attend(qb[None], keys[None], values[None], ok_h, scale)[0]
+
     tracked = torch.is_grad_enabled() and any(x.requires_grad for x in (qc, kc, vc, perms, slot_bias)
                                               if x is not None)
     if tracked:
-        out, bufs = None, (None, None)
-    else:
-        out = qc.new_empty(B, L, H, Dv)
-        bufs = (kc.new_empty(nb, (t + 1) * b, D), vc.new_empty(nb, (t + 1) * b, Dv))
-    # unbind, not indexing: the backward of x[i, h] writes a zero tensor of all of x per head
-    per_head = [[y.unbind(0) for y in x.unbind(0)] for x in (qc, kc, vc, perms)]
-    batches = []
-    for i in range(B):
-        heads = []
-        for h in range(H):
-            q_h, k_h, v_h, p = (x[i][h] for x in per_head)
-            keys, values = _joint_blocks(p, k_h, b, bufs[0]), _joint_blocks(p, v_h, b, bufs[1])
-            ok_h = None if ok is None else ok[min(i, ok.shape[0] - 1), min(h, ok.shape[1] - 1)][None]
-            qb, keys = _with_bias_column(q_h.view(nb, b, D), keys, None if key_bias is None else key_bias[i, h], scale)
-            o = _attend(qb[None], keys[None], values[None], ok_h, scale)[0]  # (nb, b, Dv)
-            if out is None:
-                heads.append(o.reshape(L, Dv))
-            else:
-                out[i, :, h].view(nb, b, Dv).copy_(o)
-        if out is None:
-            batches.append(torch.stack(heads, dim=1))
-    if out is None:
-        out = torch.stack(batches)
+        heads = [torch.stack([head(i, h, (None, None)).reshape(L, Dv) for h in range(H)], dim=1) for i in range(B)]
+        return torch.stack(heads).transpose(1, 2)
+    out = qc.new_empty(B, L, H, Dv)
+    scratch = threading.local()  # each worker thread's two buffers, reused by every head it runs
+
+    def write(j: int) -> None:
+        i, h = divmod(j, H)
+        if not hasattr(scratch, "bufs"):
+            scratch.bufs = (kc.new_empty(nb, (t + 1) * b, D), vc.new_empty(nb, (t + 1) * b, Dv))
+        out[i, :, h].view(nb, b, Dv).copy_(head(i, h, scratch.bufs))
+
+    over_threads(write, B * H)
     return out.transpose(1, 2)
 
 
