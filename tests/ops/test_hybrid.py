@@ -61,6 +61,20 @@ def test_matches_naive(case, masked, query_block):
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("case", CASES[7:], ids=lambda c: "-".join(map(str, c)))
+def test_chunked_first_stage_and_runs_match_naive(case, monkeypatch):
+    """CHUNK_BYTES of 1: the first stage scores the nodes one query block at a time and every
+    run holds one block, as at long N (where all queries at once would take O(N^1.5) memory)."""
+    monkeypatch.setattr(hybrid, "QUERY_BLOCK", 4)
+    monkeypatch.setattr(hybrid, "CHUNK_BYTES", 1)
+    n, m, causal, grouping, scoring, group, candidates = case
+    q, k, v = qkv(2, 2, n, 8, m=m, dv=5, seed=n + m)
+    opts = dict(SMALL, grouping=grouping, scoring=scoring, query_group=group, candidates=candidates)
+    out = hybrid_attention(q, k, v, key_padding_mask=_mask(m), causal=causal, **opts)
+    ref = hybrid_attention_naive(q, k, v, _mask(m), causal, None, **opts)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("candidates", [256, 4])
 def test_large_leaves_match_naive(candidates, query_block):
     """Leaves of more than EXACT_VARIANCE keys: a leaf scores with its keys' exact logit

@@ -368,15 +368,22 @@ def _candidate_nodes(phi, ko, slot_valid, lo, p: HybridPlan, scale: float, causa
         node = torch.zeros(B, H, nb, 1, dtype=torch.long, device=ko.device)
         return node, torch.ones_like(node, dtype=torch.bool)
     vecs, count = group_vectors(ko.view(B, H, nodes, -1, D), slot_valid.view(B, H, nodes, -1), p.scoring)
-    # every (pooled) query against every node in one product per head, then split into blocks
-    score = group_scores(phi, vecs, count, p.scoring, scale).unflatten(2, (nb, qpb))
-    if causal:  # query_group is 1: block b starts at query b * qpb
-        first = lo[::qpb].clamp_min(0)
-        ends = (torch.arange(nodes, device=ko.device) + 1) * per_node * p.block_size
-        block_score = score[:, :, :, 0].masked_fill(ends[None, :] > first[:, None], -math.inf)
-    else:
-        block_score = score.amax(3)
-    top, node = block_score.topk(min(max(1, p.candidates // per_node), nodes), dim=-1)
+    ends = (torch.arange(nodes, device=ko.device) + 1) * per_node * p.block_size
+    c = min(max(1, p.candidates // per_node), nodes)
+    # the (pooled) queries of a chunk of blocks against every node in one product per head; the
+    # chunks keep that product near CHUNK_BYTES (all queries at once would be O(N^1.5) memory)
+    step = max(1, CHUNK_BYTES // (B * H * qpb * vecs.shape[-3] * vecs.shape[-2] * phi.element_size()))
+    picks = []
+    for b0 in range(0, nb, step):
+        b1 = min(b0 + step, nb)
+        score = group_scores(phi[:, :, b0 * qpb: b1 * qpb], vecs, count, p.scoring, scale).unflatten(2, (-1, qpb))
+        if causal:  # query_group is 1: block b starts at query b * qpb
+            first = lo[b0 * qpb: b1 * qpb: qpb].clamp_min(0)
+            block_score = score[:, :, :, 0].masked_fill(ends[None, :] > first[:, None], -math.inf)
+        else:
+            block_score = score.amax(3)
+        picks.append(block_score.topk(c, dim=-1))
+    top, node = (torch.cat(x, dim=2) for x in zip(*picks))
     return node, top > -math.inf
 
 
