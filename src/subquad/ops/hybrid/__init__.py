@@ -67,7 +67,7 @@ from torch import Tensor
 
 from ...checks import check_choice, check_int
 from ...registry import register_method
-from .._common import one_thread
+from .._common import one_thread, over_threads
 from .._masks import compute_dtype, compute_precision
 from ..softmax import softmax_attention
 
@@ -745,5 +745,29 @@ def hybrid_attention(q, k, v, key_padding_mask, causal, scale, *, budget, window
     with compute_precision(q):
         valid = (torch.ones(q.shape[0], M, dtype=torch.bool, device=q.device) if key_padding_mask is None
                  else ~key_padding_mask)
-        out = _hybrid_core(q.to(dtype), k.to(dtype), v.to(dtype), valid, causal, scale, p)
+        qc, kc, vc = q.to(dtype), k.to(dtype), v.to(dtype)
+        tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        if q.device.type != "cpu" or tracked or torch.compiler.is_compiling():
+            out = _hybrid_core(qc, kc, vc, valid, causal, scale, p)
+        else:
+            out = _per_head(qc, kc, vc, valid, causal, scale, p)
     return out.to(q.dtype)
+
+
+def _per_head(q, k, v, valid, causal, scale, p: HybridPlan) -> Tensor:
+    """:func:`_hybrid_core` one (batch, head) at a time, the heads spread over torch's threads
+    with one whole head each (:func:`subquad.ops._common.over_threads`): what the CPU runs
+    without autograd. Measured at B=1, H=8, D=64 on 2 cores: 22% faster than all heads batched
+    at N = 16384 and 15% slower at 4096 on a quiet machine, and 2.0-2.4x faster with one busy
+    neighbour process, where each of the batched path's many small kernels waits at a barrier
+    for a descheduled thread."""
+    B, H, N, _ = q.shape
+    out = q.new_empty(B, H, N, v.shape[-1])
+
+    def head(j: int) -> None:
+        b, h = divmod(j, H)
+        one = slice(b, b + 1), slice(h, h + 1)
+        out[one] = _hybrid_core(q[one], k[one], v[one], valid[b: b + 1], causal, scale, p)
+
+    over_threads(head, B * H)
+    return out
