@@ -46,9 +46,11 @@ leaves. One product of a block's queries with its window keys and its candidates
 every logit the block needs: the leaf scores (mean, log count and variance of each leaf's
 logits), and the exact keys' logits, picked from it; the exact keys' weights are scattered back
 into a dense row and take one product with the same keys' values. No per-query gathers: every
-product is a dense matrix product of a block. Cost: O(N (window + candidates * block_size) D)
-plus the tree, O(N D log N) per power iteration; at N = 16384 and D = 64 about 8% of exact
-attention's FLOPs. On a 2-core CPU it is 1.7x faster than SDPA at N = 16384 and slower below
+product is a dense matrix product of a block. Cost: O(N (window + candidates * block_size) D),
+the tree, O(N D log N) per power iteration, and the first stage, every query against about
+``sqrt(N / block_size)`` nodes (so O(N^1.5 D): 7% of the FLOPs at 16k, 14% at 64k; its memory
+is bounded by scoring a chunk of query blocks at a time); at N = 16384 and D = 64 about 8% of exact
+attention's FLOPs. On a 2-core CPU it is 2.3x faster than SDPA at N = 16384 and slower below
 about 8k, far from that FLOP ratio: the tree's passes over the keys and the selection's
 elementwise work cost as much as the products (``benchmarks/results/hybrid_speed.md``). Two-stage
 selection costs fidelity: scoring half the leaves through first-stage nodes of 16 leaves raised
