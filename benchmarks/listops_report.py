@@ -84,6 +84,30 @@ def _table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _seed_summary(runs: list[dict]) -> str:
+    """Every method run with more than one seed: how many seeds finished, and the best and the
+    median test accuracy over them (``subquad evaluate``, final and best-validation models)."""
+    by_method: dict[str, list[dict]] = {}
+    for r in runs:
+        by_method.setdefault(r["method"], []).append(r)
+    lines = []
+    for method, rs in by_method.items():
+        if len(rs) < 2:
+            continue
+        done = [r for r in rs if r["finished"] and "final" in r]
+        cells = []
+        for key in ("final", "best"):
+            acc = [100 * r[key]["accuracy"] for r in done]
+            cells.append(f"{max(acc):.2f} / {statistics.median(acc):.2f}" if acc else "-")
+        seeds = ", ".join(str(r["seed"]) for r in done) or "none"
+        lines.append(f"| {method} | {len(done)} of {len(rs)} (seeds {seeds}) | {cells[0]} | {cells[1]} |")
+    if not lines:
+        return ""
+    head = ["", "Over seeds (finished runs only; best / median):", "",
+            "| Method | Seeds finished | Test acc. final | Test acc. best val |", "|---|---|---|---|"]
+    return "\n".join(head + lines)
+
+
 def _plot(runs: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -120,7 +144,7 @@ def main() -> None:
                   key=lambda d: (order.index(d.name.partition("-seed")[0]) if d.name.partition("-seed")[0] in order
                                  else len(order), d.name))
     runs = [_run(d, args.data, not args.no_evaluate) for d in dirs]
-    table = _table(runs)
+    table = _table(runs) + _seed_summary(runs)
     print(table)
     text = args.doc.read_text()
     if BEGIN in text and END in text:
