@@ -103,7 +103,7 @@ def _seed_summary(runs: list[dict]) -> str:
         lines.append(f"| {method} | {len(done)} of {len(rs)} (seeds {seeds}) | {cells[0]} | {cells[1]} |")
     if not lines:
         return ""
-    head = ["", "Over seeds (finished runs only; best / median):", "",
+    head = ["", "", "Over seeds (finished runs only; best / median):", "",
             "| Method | Seeds finished | Test acc. final | Test acc. best val |", "|---|---|---|---|"]
     return "\n".join(head + lines)
 
