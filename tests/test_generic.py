@@ -370,6 +370,41 @@ def test_module_empty_batch(method, training, batch_first):
             assert p.grad is None or not p.grad.any(), name
 
 
+# --------------------------------------------------------------------------- grad modes
+
+
+@pytest.fixture
+def two_threads():
+    """Two torch threads (the suite runs on one), so CPU paths that spread heads over worker
+    threads (``subquad.ops._common.over_threads``) use them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
+def test_two_threads_and_inference_mode(method, masked, two_threads):
+    """With two threads the output matches the one-thread output; under
+    ``torch.inference_mode()`` (thread-local, like grad mode: worker threads must run in the
+    caller's mode) it equals the ``no_grad`` one and is an inference tensor."""
+    q, k, v = qkv(4, 3, 37, 8, dtype=torch.float32)
+    mask = None
+    if masked:
+        _skip_unless(method, padding=True)
+        mask = _self_mask(37)  # (4, 37): none, at the end, in the middle, all padding
+    with torch.no_grad():
+        ref = run_method(method, q, k, v, key_padding_mask=mask)
+        torch.set_num_threads(1)
+        one = run_method(method, q, k, v, key_padding_mask=mask)
+        torch.set_num_threads(2)
+    with torch.inference_mode():
+        out = run_method(method, q, k, v, key_padding_mask=mask)
+    assert out.is_inference()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.testing.assert_close(ref, one)
+
+
 # --------------------------------------------------------------------------- randomness
 
 

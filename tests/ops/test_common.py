@@ -91,3 +91,37 @@ def test_a_new_pool_after_a_fork(two_threads, monkeypatch):
     monkeypatch.setattr(common.os, "getpid", lambda: -1)  # as in a forked child: the parent's threads are gone
     over_threads(lambda i: None, 2)
     assert common._pool[2] is not before
+
+
+def test_over_threads_stays_in_the_caller_under_a_mode(two_threads):
+    """Dispatch and function modes are per thread: with one active (here the FLOP counter) the
+    work runs in the caller, where the mode sees it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.randn(4, 8, 8)
+    out = torch.empty(4, 8, 8)
+    idents = []
+
+    def work(i):
+        idents.append(threading.get_ident())
+        torch.matmul(x[i], x[i], out=out[i])
+
+    with FlopCounterMode(display=False) as counter:
+        over_threads(work, 4)
+    assert set(idents) == {threading.get_ident()}
+    assert counter.get_total_flops() == 4 * 2 * 8**3
+
+
+def test_over_threads_runs_work_in_the_callers_grad_and_inference_mode(two_threads):
+    seen, lock = [], threading.Lock()
+
+    def work(i):
+        with lock:
+            seen.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+
+    with torch.no_grad():
+        over_threads(work, 2)
+    with torch.inference_mode():
+        over_threads(work, 2)
+    over_threads(work, 2)
+    assert seen == [(False, False)] * 2 + [(False, True)] * 2 + [(True, False)] * 2

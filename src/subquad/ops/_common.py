@@ -60,12 +60,17 @@ def _workers(count: int) -> ThreadPoolExecutor:
 
 def _single_threaded(work: Callable[[int], None], threads: int) -> Callable[[int], None]:
     """``work`` on one torch thread in the calling thread (OpenMP's setting is per thread), then
-    back to ``threads``, the caller's count (torch also keeps it for threads it starts later)."""
+    back to ``threads``, the caller's count (torch also keeps it for threads it starts later).
+    Grad and inference mode are per thread too: ``work`` runs in the caller's (autocast need not
+    follow: the ops call this inside :func:`subquad.ops._masks.compute_precision`, which turns it
+    off)."""
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
     def run(i: int) -> None:
         torch.set_num_threads(1)
         try:
-            work(i)
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                work(i)
         finally:
             torch.set_num_threads(threads)
 
@@ -84,9 +89,12 @@ def over_threads(work: Callable[[int], None], count: int) -> None:
     took 4.4x its quiet time there (``benchmarks/results/busy_cores.md``). Here each chain runs
     whole on one thread, threads take the next chain when they finish one (a descheduled thread
     holds back only its own chain), and there is one wait per call. Runs in the calling thread
-    when torch has one thread, and under ``torch.compile``."""
+    when torch has one thread, under ``torch.compile``, and while a dispatch or function mode is
+    active (``FlopCounterMode``, ``FakeTensorMode``, ``with torch.device(...)``: modes are per
+    thread, and a worker would run without it)."""
     threads = torch.get_num_threads()
-    if threads == 1 or count == 1 or torch.compiler.is_compiling():
+    modes = torch._C._len_torch_dispatch_stack() + torch._C._len_torch_function_stack()
+    if threads == 1 or count == 1 or modes or torch.compiler.is_compiling():
         for i in range(count):
             work(i)
         return
