@@ -54,6 +54,8 @@ def _workers(count: int) -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None or _pool[:2] != (os.getpid(), count):
+            if _pool is not None and _pool[0] == os.getpid():
+                _pool[2].shutdown(wait=False)  # its threads end once idle
             _pool = (os.getpid(), count, ThreadPoolExecutor(count, thread_name_prefix="subquad"))
         return _pool[2]
 
@@ -98,7 +100,7 @@ def over_threads(work: Callable[[int], None], count: int) -> None:
         for i in range(count):
             work(i)
         return
-    for _ in _workers(min(threads, count)).map(_single_threaded(work, threads), range(count)):
+    for _ in _workers(threads).map(_single_threaded(work, threads), range(count)):
         pass
 
 
