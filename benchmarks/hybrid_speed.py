@@ -2,16 +2,19 @@
 
     python benchmarks/hybrid_speed.py --out benchmarks/results            # N = 4k .. 64k
     python benchmarks/hybrid_speed.py --n 1024 2048 --out /tmp/hs          # smoke run
+    python benchmarks/hybrid_speed.py --variant candidates=256 --out DIR   # also time a variant
 
 B=1, H=8, D=64, float32, i.i.d. N(0, 1) inputs, forward only, no grad. Each time is the median of
 ``torch.utils.benchmark`` blocks (``subquad.bench.timing.median_time``); SDPA is timed up to
 ``--sdpa-max`` (it is quadratic: at 64k one call takes minutes on this CPU). The growth column is
-the exponent of N between consecutive lengths (1 = linear, 2 = quadratic).
+the exponent of N between consecutive lengths (1 = linear, 2 = quadratic). ``--variant`` times
+hybrid with some options changed as well, at each N right after the defaults, in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
 import platform
@@ -35,10 +38,12 @@ def _time(method: str, n: int, options: dict, min_run_time: float) -> float:
         return median_time(lambda: subquad.attention(q, k, v, method=method, **options), min_run_time).seconds
 
 
-def run(ns: list[int], sdpa_max: int, options: dict, min_run_time: float) -> list[dict]:
+def run(ns: list[int], sdpa_max: int, options: dict, min_run_time: float, variant: dict | None = None) -> list[dict]:
     rows = []
     for n in ns:
         row = {"n": n, "hybrid_s": _time("hybrid", n, options, min_run_time)}
+        if variant:
+            row["variant_s"] = _time("hybrid", n, {**options, **variant}, min_run_time)
         row["sdpa_s"] = _time("softmax", n, {}, min_run_time) if n <= sdpa_max else None
         rows.append(row)
         print(row, flush=True)
@@ -48,6 +53,8 @@ def run(ns: list[int], sdpa_max: int, options: dict, min_run_time: float) -> lis
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
+    name = ", ".join(f"{key}={value}" for key, value in meta["variant"].items())
+    variant = (f" hybrid, {name} (s) | SDPA / that |", "---|---|") if meta["variant"] else ("", "")
     lines = [
         "# hybrid: forward time against exact attention (SDPA)",
         "",
@@ -55,14 +62,18 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"(budget 64). {meta['threads']} torch thread(s), {meta['machine']}, torch {meta['torch']}, {meta['date']}. "
         f"Command: `{meta['command']}`. {meta['note']}",
         "",
-        "| N | hybrid (s) | SDPA (s) | SDPA / hybrid | growth of hybrid (exponent of N) |",
-        "|---|---|---|---|---|",
+        "| N | hybrid (s) | SDPA (s) | SDPA / hybrid | growth of hybrid (exponent of N) |" + variant[0],
+        "|---|---|---|---|---|" + variant[1],
     ]
     for r in rows:
         sdpa = f"{r['sdpa_s']:.3f}" if r["sdpa_s"] is not None else "not run"
         ratio = f"{r['sdpa_s'] / r['hybrid_s']:.2f}x" if r["sdpa_s"] is not None else ""
         growth = f"{r['growth']:.2f}" if "growth" in r else ""
-        lines.append(f"| {r['n']} | {r['hybrid_s']:.3f} | {sdpa} | {ratio} | {growth} |")
+        extra = ""
+        if meta["variant"]:
+            vs = r["variant_s"]
+            extra = f" {vs:.3f} | {r['sdpa_s'] / vs:.2f}x |" if r["sdpa_s"] is not None else f" {vs:.3f} | |"
+        lines.append(f"| {r['n']} | {r['hybrid_s']:.3f} | {sdpa} | {ratio} | {growth} |" + extra)
     return "\n".join(lines) + "\n"
 
 
@@ -72,16 +83,21 @@ def main() -> None:
     ap.add_argument("--sdpa-max", type=int, default=16384)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--min-run-time", type=float, default=1.0)
+    ap.add_argument("--variant", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="hybrid options of a variant timed beside the defaults (values as Python literals)")
     ap.add_argument("--note", default="")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     options: dict = {}
-    rows = run(args.n, args.sdpa_max, options, args.min_run_time)
-    meta = {"options": options, "threads": args.threads, "machine": platform.processor() or platform.machine(),
+    variant = {key: ast.literal_eval(value) for key, value in (item.split("=", 1) for item in args.variant)}
+    rows = run(args.n, args.sdpa_max, options, args.min_run_time, variant)
+    meta = {"options": options, "variant": variant, "threads": args.threads,
+            "machine": platform.processor() or platform.machine(),
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "note": args.note,
             "command": "python benchmarks/hybrid_speed.py " + " ".join(
-                f"--n {' '.join(map(str, args.n))} --threads {args.threads} --out {args.out}".split())}
+                f"--n {' '.join(map(str, args.n))} --threads {args.threads} --out {args.out}".split()
+                + (["--variant", *args.variant] if args.variant else []))}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "hybrid_speed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (args.out / "hybrid_speed.md").write_text(markdown(rows, meta))

@@ -31,6 +31,11 @@ CASES = [
     (29, 37, False, "contiguous", "bounds", 1, 4),
     (21, 40, False, "tree", "mean", 2, 2),
     (33, 33, True, "contiguous", "bounds", 1, 2),
+    # two stages, several candidate nodes per block (16 candidates, nodes of 8 leaves)
+    (40, 40, False, "tree", "second_order", 1, 16),
+    (40, 40, True, "contiguous", "second_order", 1, 16),
+    (37, 45, False, "contiguous", "bounds", 1, 16),
+    (30, 41, False, "tree", "mean", 2, 16),
 ]
 
 
@@ -86,7 +91,7 @@ def test_large_leaves_match_naive(candidates, query_block):
                                rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[7], CASES[9]], ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 3, 7, 9, 12, 13)], ids=lambda c: "-".join(map(str, c)))
 def test_gradients_match_naive(case):
     n, m, causal, grouping, scoring, group, candidates = case
     q, k, v = qkv(1, 2, n, 8, m=m, dv=5, seed=3, requires_grad=True)

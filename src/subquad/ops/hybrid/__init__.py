@@ -48,14 +48,16 @@ logits), and the exact keys' logits, picked from it; the exact keys' weights are
 into a dense row and take one product with the same keys' values. No per-query gathers: every
 product is a dense matrix product of a block. Cost: O(N (window + candidates * block_size) D),
 the tree, O(N D log N) per power iteration, and the first stage, every query against about
-``sqrt(N / block_size)`` nodes (so O(N^1.5 D): 7% of the FLOPs at 16k, 14% at 64k; its memory
-is bounded by scoring a chunk of query blocks at a time); at N = 16384 and D = 64 about 8% of exact
-attention's FLOPs. On a 2-core CPU it is 2.3x faster than SDPA at N = 16384 and slower below
-about 8k, far from that FLOP ratio: the tree's passes over the keys and the selection's
-elementwise work cost as much as the products (``benchmarks/results/hybrid_speed.md``). Two-stage
+``sqrt(N / block_size)`` nodes (so O(N^1.5 D); its memory is bounded by scoring a chunk of query
+blocks at a time); at N = 16384 and D = 64 about 5% of exact attention's FLOPs. On a 2-core CPU
+it is 3.6-4.1x faster than SDPA at N = 16384 and slower below about 6k, far from that FLOP ratio:
+the tree's passes over the keys, the first stage and the per-query top-k cost as much as the
+products (``benchmarks/results/hybrid_speed.md``). ``candidates`` = 128 leaves keeps selection
+in one stage up to 512 keys (with ``block_size`` 4), where the fidelity was measured; two-stage
 selection costs fidelity: scoring half the leaves through first-stage nodes of 16 leaves raised
 the error on all-MiniLM-L6-v2 from 0.111 to 0.211 at budget 64
-(``benchmarks/results/real_fidelity.md``); smaller nodes recover most of it but cost more to score.
+(``benchmarks/results/real_fidelity.md``), and past 512 keys (no real attention of that length
+was measured) every default call selects in two stages.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ class HybridOptions:
     scoring: str = "second_order"
     query_group: int = 1
     tree_iterations: int = 4
-    candidates: int = 256
+    candidates: int = 128
 
     def __post_init__(self):
         check_int("hybrid", "budget", self.budget, minimum=1)
@@ -328,11 +330,16 @@ def group_scores(phi: Tensor, vecs: Tensor, count: Tensor, scoring: str, scale: 
     """phi ``(..., Q, Dphi)``, vecs ``(..., G, r, Dphi)``, count ``(..., G)`` -> ``(..., Q, G)``;
     -inf for a group without keys."""
     G, r = vecs.shape[-3], vecs.shape[-2]
-    proj = (phi @ vecs.flatten(-3, -2).transpose(-2, -1)).unflatten(-1, (G, r))
-    score = proj[..., 0] * scale
+    # columns vector-major, (r, G): each vector's products with every group is one contiguous
+    # plane, so the variance below is a few whole-plane passes (a reduction over a dimension of
+    # 2-5 elements is several times slower on CPU)
+    proj = (phi @ vecs.transpose(-3, -2).flatten(-3, -2).transpose(-2, -1)).unflatten(-1, (r, G))
+    score = proj[..., 0, :] * scale
     if scoring == "second_order":
         n = count.clamp_min(1).to(score.dtype).unsqueeze(-2)
-        var = torch.linalg.vector_norm(proj[..., 1:], dim=-1).square_()  # no temporary of proj's size
+        var = proj[..., 1, :].square() if r > 1 else torch.zeros_like(score)
+        for t in range(2, r):
+            var.addcmul_(proj[..., t, :], proj[..., t, :])
         score = score + n.log() + 0.5 * scale * scale * var / n
     return score.masked_fill((count == 0).unsqueeze(-2), -math.inf)
 
@@ -389,17 +396,22 @@ def _candidate_nodes(phi, ko, slot_valid, lo, p: HybridPlan, scale: float, causa
     return node, top > -math.inf
 
 
-def logit_scores(x: Tensor, count: Tensor, block_size: int, scoring: str) -> Tensor:
-    """Scores of leaves from their keys' logits: x ``(..., Q, L * block_size)``, ``s q.k`` over
-    the slots of ``L`` leaves, **zero** at slots without a real key; count ``(..., 1, L)`` real
-    keys per leaf -> ``(..., Q, L)``: the mean logit (``mean``), plus ``log n`` and half the
-    logits' variance (``second_order``, the exact variance); -inf for a leaf without real keys.
-    Two reading passes over ``x``: its sums and its sums of squares."""
-    x = x.unflatten(-1, (-1, block_size))
+def logit_scores(x: Tensor, count: Tensor, block_size: int, per_node: int, scoring: str) -> Tensor:
+    """Scores of leaves from their keys' logits: x ``(..., Q, c * block_size * per_node)``,
+    ``s q.k`` over the slots of ``L = c * per_node`` leaves in the candidate layout (see
+    :func:`leaf_columns`), **zero** at slots without a real key; count ``(..., 1, L)`` real keys
+    per leaf -> ``(..., Q, L)``: the mean logit (``mean``), plus ``log n`` and half the logits'
+    variance (``second_order``, the exact variance); -inf for a leaf without real keys. In that
+    layout the sums over a leaf are passes over whole planes of ``per_node`` (a reduction over the
+    few slots of each leaf is several times slower on CPU)."""
+    x = x.unflatten(-1, (-1, block_size, per_node))
     n = count.clamp_min(1).to(x.dtype)
-    score = x.sum(-1) / n
+    score = x.sum(-2).flatten(-2) / n
     if scoring == "second_order":
-        var = (torch.linalg.vector_norm(x, dim=-1).square_() / n - score.square()).clamp_min_(0)
+        sq = x[..., 0, :].square()
+        for t in range(1, block_size):
+            sq.addcmul_(x[..., t, :], x[..., t, :])
+        var = (sq.flatten(-2).div_(n) - score.square()).clamp_min_(0)
         score = score + n.log() + 0.5 * var
     return score.masked_fill(count == 0, -math.inf)
 
@@ -408,8 +420,9 @@ def logit_scores(x: Tensor, count: Tensor, block_size: int, scoring: str) -> Ten
 class _Call:
     """What the runs of query blocks of one forward share. Queries are padded to whole blocks of
     ``qpb * query_group`` by repeating the last one; ``keys``/``values`` hold the keys by position
-    (rows ``0 .. M-1``) and then by slot (rows ``M + slot``; zero in invalid slots), so one
-    gather fetches both a block's window and its candidates."""
+    (rows ``0 .. M-1``) and then by slot, slot-major within each first-stage node (rows from
+    ``M``, :func:`_slot_major`; keys zero in invalid slots), so one gather fetches both a block's
+    window and its candidates, each node a contiguous run."""
 
     p: HybridPlan
     scale: float
@@ -443,20 +456,22 @@ def _leaf_scores(c: _Call, blocks: slice, slots: Tensor, sv: Tensor, lc: Tensor,
     if p.scoring == "bounds":
         box = _rows(c.leaf_box.reshape(*c.node.shape[:2], -1, c.per_node * c.leaf_box.shape[-1]),
                     c.node[:, :, blocks])
-        count = sv.view(B, H, nbk, -1, p.block_size).sum(-1)
+        count = sv.view(B, H, nbk, -1, p.block_size, c.per_node).sum(-2).flatten(-2)
         score = group_scores(phi, box.view(B, H, nbk, -1, 1, c.leaf_box.shape[-1]), count, "bounds", c.scale)
     else:  # keys of invalid slots are zero in c.keys, so are their logits
         x = lc if g == 1 else (phi * c.scale) @ kc.transpose(-2, -1)
-        score = logit_scores(x, sv.view(B, H, nbk, 1, -1, p.block_size).sum(-1), p.block_size, p.scoring)
+        count = sv.view(B, H, nbk, 1, -1, p.block_size, c.per_node).sum(-2).flatten(-2)
+        score = logit_scores(x, count, p.block_size, c.per_node, p.scoring)
     score = score.masked_fill(~c.node_ok[:, :, blocks].repeat_interleave(c.per_node, -1).unsqueeze(-2), -math.inf)
     return score.repeat_interleave(g, dim=3) if g > 1 else score
 
 
 def _exact_columns(c: _Call, blocks: slice, U: int, slots: Tensor, lc: Tensor, kc: Tensor):
     """The keys each query of ``blocks`` attends exactly, as columns of its block's gathered rows
-    (``U`` window rows, then the candidate slots ``slots`` ``(B, H, nb, Cs)``): ``cols``, their
-    key positions ``pos`` and whether each is a real one ``ok``, ``(B, H, nb, QB, E)``; the window
-    first, then the selected leaves' real keys outside the window (window keys count once)."""
+    (``U`` window rows, then the candidate slots ``slots`` ``(B, H, nb, Cs)``, in the layout of
+    :func:`leaf_columns`): ``cols``, their key positions ``pos`` and whether each is a real one
+    ``ok``, ``(B, H, nb, QB, E)``; the window first, then the selected leaves' real keys outside
+    the window (window keys count once)."""
     p = c.p
     bs, w, M = p.block_size, p.window, c.group_of.shape[-1]
     B, H, nbk, cs = slots.shape
@@ -464,7 +479,7 @@ def _exact_columns(c: _Call, blocks: slice, U: int, slots: Tensor, lc: Tensor, k
     sv = c.slot_valid.gather(2, slots.flatten(2)).view(slots.shape)
     score = _leaf_scores(c, blocks, slots, sv, lc, kc)
     if p.grouping == "contiguous":  # slots are positions
-        start = slots[..., ::bs].unsqueeze(-2)
+        start = slots.view(B, H, nbk, -1, bs, c.per_node)[..., 0, :].flatten(-2).unsqueeze(-2)
         end = start + bs  # exclusive
         if c.causal:  # only leaves that end before the window
             blocked = end > lo.clamp_min(0)
@@ -472,7 +487,7 @@ def _exact_columns(c: _Call, blocks: slice, U: int, slots: Tensor, lc: Tensor, k
             blocked = (start >= lo) & (end.clamp_max(M) <= lo + w)
         score = score.masked_fill(blocked, -math.inf)
     top, leaf = score.topk(min(p.num_selected, score.shape[-1]), dim=-1)
-    col = (leaf.unsqueeze(-1) * bs + torch.arange(bs, device=lo.device)).flatten(-2)
+    col = leaf_columns(leaf, bs, c.per_node).flatten(-2)
     slot = slots.unsqueeze(3).expand(*col.shape[:4], cs).gather(-1, col)
     pos = c.order.gather(2, slot.flatten(2)).view(slot.shape)
     ok = c.slot_valid.gather(2, slot.flatten(2)).view(slot.shape) & (top > -math.inf).repeat_interleave(bs, -1)
@@ -498,8 +513,12 @@ def _attend(c: _Call, blocks: slice, U: int) -> Tensor:
     rows = slice(blocks.start * qb_size, blocks.stop * qb_size)
     wpos = c.lo[rows][::qb_size, None] + torch.arange(U, device=c.q.device)  # (nb, U)
     span = c.per_node * p.block_size
-    slots = (c.node[:, :, blocks, :, None] * span + torch.arange(span, device=c.q.device)).flatten(-2)
-    idx = torch.cat([wpos.clamp(0, M - 1).expand(B, H, nbk, U), M + slots], -1)
+    stored = (c.node[:, :, blocks, :, None] * span + torch.arange(span, device=c.q.device)).flatten(-2)
+    idx = torch.cat([wpos.clamp(0, M - 1).expand(B, H, nbk, U), M + stored], -1)
+    # the slot of each gathered candidate row (the layout of leaf_columns)
+    within = torch.arange(p.block_size, device=c.q.device)[:, None] + torch.arange(0, span, p.block_size,
+                                                                                 device=c.q.device)
+    slots = (c.node[:, :, blocks, :, None] * span + within.flatten()).flatten(-2)
     E, Dv = idx.shape[-1], c.values.shape[-1]
     kx = _rows(c.keys, idx, c.scratch.get("keys", (B, H, nbk, E, D), c.q))  # (B, H, nb, U + Cs, D)
     vx = _rows(c.values, idx, c.scratch.get("values", (B, H, nbk, E, Dv), c.q))
@@ -549,6 +568,24 @@ def _slot_sums(ko, vo, slot_valid, coarse_size):
     return w.view(B, H, G, coarse_size, 1), ks.view(B, H, G, coarse_size, -1), vs.view(B, H, G, coarse_size, -1)
 
 
+def _slot_major(x: Tensor, per_node: int, block_size: int) -> Tensor:
+    """Rows ``(B, H, S, D)`` in slot order, reordered within each first-stage node to slot-major
+    (all its leaves' first slots, then their second slots, ...; :func:`leaf_columns`), so a block
+    gathers each candidate node as one contiguous run of rows."""
+    B, H, S, D = x.shape
+    return x.view(B, H, -1, per_node, block_size, D).transpose(3, 4).reshape(B, H, S, D)
+
+
+def leaf_columns(leaf: Tensor, block_size: int, per_node: int) -> Tensor:
+    """Columns ``(..., block_size)`` of the slots of candidate leaves ``leaf`` (index ``i * per_node
+    + l``: leaf ``l`` of candidate node ``i``) among a block's candidate rows, which hold the
+    candidate nodes one after the other, each slot-major: column ``(i * block_size + t) * per_node
+    + l`` is slot ``t`` of that leaf."""
+    node, within = leaf.div(per_node, rounding_mode="floor"), leaf.remainder(per_node)
+    t = torch.arange(block_size, device=leaf.device)
+    return ((node * block_size).unsqueeze(-1) + t) * per_node + within.unsqueeze(-1)
+
+
 def _pooled(q: Tensor, g: int) -> Tensor:
     """The mean query of each run of ``g`` queries ``(B, H, ceil(N / g), D)`` (the last run may
     be shorter)."""
@@ -591,7 +628,8 @@ def _hybrid_core(q, k, v, valid, causal: bool, scale: float, p: HybridPlan) -> T
         group_of = torch.empty_like(order).scatter_(2, order, slot_group)[..., :M]
     summaries = _summaries(qp, ko[:, :, :S], vo[:, :, :S], slot_valid[:, :, :S], coarse_size, lo, causal, scale)
     c = _Call(p, scale, causal, qp, lo, phi, node, node_ok, order, slot_valid, group_of, valid,
-              torch.cat([k, ko * slot_valid.unsqueeze(-1)], 2), torch.cat([v, vo], 2), leaf_box, per_node, qpb,
+              torch.cat([k, _slot_major(ko * slot_valid.unsqueeze(-1), per_node, bs)], 2),
+              torch.cat([v, _slot_major(vo, per_node, bs)], 2), leaf_box, per_node, qpb,
               summaries, _Scratch(not torch.compiler.is_compiling()
                                   and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))))
     cs = node.shape[-1] * per_node * bs
