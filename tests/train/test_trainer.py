@@ -431,3 +431,49 @@ def test_time_budget_stops_with_a_checkpoint_and_resume_finishes_the_run(data_di
     a, b = (ckpt.load(tmp_path / d / "model.pt")["model"] for d in ("whole", "sliced"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert _rows(tmp_path / "whole" / "metrics.csv") == _rows(tmp_path / "sliced" / "metrics.csv")
+
+
+def test_init_from_starts_from_another_runs_weights(data_dir, tmp_path):
+    """A warm start takes the weights of the source file exactly (step 0 equals the source), runs
+    its own schedule, and a later --resume continues from its own checkpoint, not the source."""
+    train(_config(data_dir, tmp_path / "short", steps=3))
+    source = ckpt.load(tmp_path / "short" / "model.pt")["model"]
+    cfg = _config(data_dir, tmp_path / "warm", steps=4, lr=1e-12, warmup_steps=0,
+                  init_from=str(tmp_path / "short" / "model.pt"))
+    result = train(cfg)
+    assert result["config"]["init_from"] == str(tmp_path / "short" / "model.pt")
+    warm = ckpt.load(tmp_path / "warm" / "model.pt")["model"]
+    for k, v in source.items():  # lr 1e-12: the weights barely move from the source's
+        torch.testing.assert_close(warm[k], v, atol=1e-6, rtol=0)
+    # and the source is far from this seed's own initial weights, so the check above can fail
+    fresh, _ = _build_model(_config(data_dir, tmp_path / "x"), torch.device("cpu"))
+    assert max((fresh.state_dict()[k] - v).abs().max().item() for k, v in source.items()) > 1e-4
+
+
+def test_init_from_resume_ignores_the_source(data_dir, tmp_path):
+    train(_config(data_dir, tmp_path / "short", steps=3))
+    src = tmp_path / "short" / "model.pt"
+    out = tmp_path / "warm"
+    first = _config(data_dir, out, steps=6, max_minutes=1e-9, init_from=str(src))
+    train(first)  # stops at once with a checkpoint
+    assert (out / "checkpoint.pt").is_file()
+    src.unlink()  # a resumed run reads only its own checkpoint
+    again = _config(data_dir, out, steps=6, resume=True, init_from=str(src))
+    assert train(again)["steps"] == 6
+
+
+def test_init_from_errors(data_dir, tmp_path, capsys):
+    train(_config(data_dir, tmp_path / "small", steps=2))
+    src = str(tmp_path / "small" / "best.pt")
+    with pytest.raises(ValueError, match="does not fit this run's model: shapes differ"):
+        train(_config(data_dir, tmp_path / "wide", steps=2, dim=32, init_from=src))
+    with pytest.raises(ValueError, match="does not fit this run's model: missing"):
+        train(_config(data_dir, tmp_path / "deep", steps=2, layers=3, init_from=src))
+    code = cli_main(["train", "listops", "--method", "softmax", "--data", str(data_dir), "--out",
+                     str(tmp_path / "none"), "--init-from", str(tmp_path / "nothing.pt"), "--steps", "2"])
+    assert code == 2 and "nothing.pt" in capsys.readouterr().err
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+    code = cli_main(["train", "listops", "--method", "softmax", "--data", str(data_dir), "--out",
+                     str(tmp_path / "none2"), "--init-from", str(bad), "--steps", "2"])
+    assert code == 2 and "not a readable checkpoint" in capsys.readouterr().err

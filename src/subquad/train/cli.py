@@ -227,6 +227,10 @@ def _add_run_arguments(r) -> None:
     r.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt if it exists")
     r.add_argument("--max-minutes", type=float,
                    help="stop after this much wall time, with a checkpoint; --resume continues later")
+    r.add_argument("--init-from", metavar="PATH",
+                   help="initial weights from another run's model file (best.pt, model.pt or checkpoint.pt) "
+                        "with the same architecture, e.g. one trained on shorter inputs; optimiser and "
+                        "schedule start afresh; ignored when --resume finds a checkpoint")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
                    help="TensorBoard logs (default: when installed)")
@@ -256,7 +260,8 @@ def config_from_args(args: argparse.Namespace):
         checkpoint_every=args.checkpoint_every, log_every=args.log_every, seed=args.seed,
         threads=args.threads,
         device=args.device, amp=args.amp, dtype=args.dtype, resume=args.resume, max_minutes=args.max_minutes,
-        progress=False if args.no_progress else None, tensorboard=args.tensorboard, **overrides)
+        progress=False if args.no_progress else None, tensorboard=args.tensorboard, init_from=args.init_from,
+        **overrides)
 
 
 def run_train_listops(args: argparse.Namespace) -> int:

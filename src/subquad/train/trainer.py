@@ -109,6 +109,12 @@ class TrainConfig:
     each batch to its longest sample, rounded up to :func:`pad_multiple` and capped at ``pad_to``;
     validation and test batches are the samples sorted by length. ``batching="pad"`` is the
     published input pipeline: uniform batches, every sequence padded to ``pad_to``.
+
+    ``init_from``: a model file of an earlier run (``best.pt``, ``model.pt`` or ``checkpoint.pt``)
+    whose weights replace the initial ones (a warm start, e.g. from a run on shorter inputs; its
+    model must have exactly this run's parameter names and shapes). Optimiser, schedule and data
+    order start afresh. Used only when the run starts: a resumed run continues from its own
+    checkpoint.
     """
 
     method: str = "softmax"
@@ -151,6 +157,7 @@ class TrainConfig:
     max_minutes: float | None = None
     progress: bool | None = None
     tensorboard: bool | None = None
+    init_from: str | None = None
 
     @classmethod
     def from_preset(cls, preset: str = "nystromformer", **overrides: Any) -> "TrainConfig":
@@ -188,6 +195,8 @@ class TrainConfig:
         if self.max_minutes is not None and not (isinstance(self.max_minutes, (int, float))
                                                  and self.max_minutes > 0):
             raise ValueError(f"max_minutes must be a positive number or None, got {self.max_minutes!r}")
+        if self.init_from is not None and not isinstance(self.init_from, (str, os.PathLike)):
+            raise TypeError(f"init_from must be a path or None, got {type(self.init_from).__name__}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads <= 0):
             raise ValueError(f"threads must be a positive int or None, got {self.threads!r}")
         if not (isinstance(self.lr, (int, float)) and self.lr > 0):
@@ -421,6 +430,15 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> t
     """Rebuild the encoder saved by a run (``model.pt``, ``best.pt`` or ``checkpoint.pt``) in eval
     mode; returns ``(model, config, file contents)``. A file that is not a ListOps model of this
     trainer raises ValueError."""
+    saved, cfg = _read_model_file(path)
+    model, _ = _build_model(cfg, torch.device(device))
+    model.load_state_dict(saved["model"])
+    model.eval()
+    return model, cfg, saved
+
+
+def _read_model_file(path: str | os.PathLike) -> tuple[dict, TrainConfig]:
+    """The contents of a run's model file and the config it was written with."""
     try:
         saved = ckpt.load(path, map_location="cpu")
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
@@ -435,11 +453,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> t
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in values.items() if k in known}
     values["betas"] = tuple(values.get("betas", (0.9, 0.999)))
-    cfg = TrainConfig(**values)
-    model, _ = _build_model(cfg, torch.device(device))
-    model.load_state_dict(saved["model"])
-    model.eval()
-    return model, cfg, saved
+    return saved, TrainConfig(**values)
 
 
 def evaluate_model(model: torch.nn.Module, cfg: TrainConfig, data: listops.ListOpsDataset,
@@ -555,6 +569,8 @@ class _Run:
         self.data = _Splits.load(cfg)
         _seed_all(cfg.seed)  # the initial weights
         self._build_model()
+        if resume_state is None and cfg.init_from is not None:
+            self._warm_start(cfg.init_from)
         self._build_sampler()
         _seed_all(cfg.seed + 1 + ctx.rank)  # training randomness (dropout, stochastic methods), per process
         self.step = 0
@@ -586,6 +602,24 @@ class _Run:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda e: lr_factor(e + 1, warmup=cfg.warmup_steps, total=cfg.steps, schedule=cfg.schedule))
+
+    def _warm_start(self, path: str | os.PathLike) -> None:
+        """Initial weights from another run's model file (``init_from``)."""
+        saved, source = _read_model_file(path)
+        mine = self.model.state_dict()
+        theirs = saved["model"]
+        missing, extra = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
+        shapes = [f"{k}: {tuple(theirs[k].shape)} vs {tuple(v.shape)}" for k, v in mine.items()
+                  if k in theirs and theirs[k].shape != v.shape]
+        if missing or extra or shapes:
+            detail = "; ".join(x for x in (
+                f"missing {', '.join(missing[:3])}" if missing else "",
+                f"unexpected {', '.join(extra[:3])}" if extra else "",
+                f"shapes differ: {', '.join(shapes[:3])}" if shapes else "") if x)
+            raise ValueError(f"init_from {str(path)!r} (method {source.method!r}, step {saved.get('step')}) "
+                             f"does not fit this run's model: {detail}")
+        self.model.load_state_dict(theirs)
+        self.say(f"initial weights from {path} (method {source.method}, step {saved.get('step')})", flush=True)
 
     def _build_sampler(self) -> None:
         """This process's stream of training batches and what their length is rounded up to."""
