@@ -50,9 +50,10 @@ product is a dense matrix product of a block. Cost: O(N (window + candidates * b
 the tree, O(N D log N) per power iteration, and the first stage, every query against about
 ``sqrt(N / block_size)`` nodes (so O(N^1.5 D); its memory is bounded by scoring a chunk of query
 blocks at a time); at N = 16384 and D = 64 about 5% of exact attention's FLOPs. On a 2-core CPU
-it is 3.6-4.1x faster than SDPA at N = 16384 and slower below about 6k, far from that FLOP ratio:
-the tree's passes over the keys, the first stage and the per-query top-k cost as much as the
-products (``benchmarks/results/hybrid_speed.md``). ``candidates`` = 128 leaves keeps selection
+it is 4.7x faster than SDPA at N = 16384 and about as fast at 4096, far from that FLOP ratio: the
+products are about a quarter of its time, the tree's passes over the keys, the first stage, the
+leaf scores and the many small kernels of the per-query selection the rest
+(``benchmarks/results/hybrid_speed.md``). ``candidates`` = 128 leaves keeps selection
 in one stage up to 512 keys (with ``block_size`` 4), where the fidelity was measured; two-stage
 selection costs fidelity: scoring half the leaves through first-stage nodes of 16 leaves raised
 the error on all-MiniLM-L6-v2 from 0.111 to 0.211 at budget 64
@@ -65,6 +66,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -191,6 +193,37 @@ class _Scratch:
         return buf[:n].view(shape)
 
 
+def _numpy_path(x: Tensor) -> bool:
+    """Whether a selection step on ``x`` may run in numpy: a float32/float64 CPU tensor without
+    autograd, outside ``torch.compile`` and outside dispatch and function modes (which numpy would
+    bypass)."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and not x.requires_grad
+            and not torch.compiler.is_compiling()
+            and not torch._C._len_torch_dispatch_stack() and not torch._C._len_torch_function_stack())
+
+
+def _largest(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` largest entries of each row of ``x`` (last dimension) and their indices, in no
+    particular order. On CPU numpy's ``argpartition`` (a selection, no sort): 5 ms against 17 ms
+    for ``torch.topk`` on 16384 rows of 128, one thread, torch 2.13."""
+    n = x.shape[-1]
+    if k == 0 or not _numpy_path(x):
+        return x.topk(k, dim=-1, sorted=False)
+    idx = torch.from_numpy(np.ascontiguousarray(np.argpartition(x.contiguous().numpy(), n - k, axis=-1)[..., n - k:]))
+    return x.gather(-1, idx), idx
+
+
+def _halves(proj: Tensor) -> Tensor:
+    """A permutation of each row of ``proj`` (last dimension, even length ``m``) whose first
+    ``m / 2`` entries index its ``m / 2`` smallest values: a median split. On CPU numpy's
+    ``argpartition`` (linear time; the order within each half is arbitrary), elsewhere a stable
+    sort."""
+    m = proj.shape[-1]
+    if not _numpy_path(proj):
+        return proj.argsort(dim=-1, stable=True)
+    return torch.from_numpy(np.argpartition(proj.contiguous().numpy(), m // 2 - 1, axis=-1))
+
+
 def _tree_depth(n_keys: int, block_size: int) -> int:
     return max(0, math.ceil(math.log2(max(1, -(-n_keys // block_size)))))
 
@@ -228,8 +261,8 @@ def build_groups(k: Tensor, valid: Tensor, p: HybridPlan) -> tuple[Tensor, Tenso
     ``>= M`` are padding slots), ``slot_valid`` ``(B, H, S)`` and ``coarse_size`` (slots per
     coarse group). Contiguous: slots are positions, ``S`` is ``M`` rounded up to whole coarse
     groups of whole leaves. Tree: ``S = block_size * 2**depth``; at each level every node's
-    slots are sorted by the projection of their keys on the node's top principal direction
-    (invalid slots last) and split in halves."""
+    slots are split at the median of the projection of their keys on the node's top principal
+    direction (invalid slots count as +inf, so they go to the upper half; :func:`_halves`)."""
     B, H, M, D = k.shape
     bs = p.block_size
     if p.grouping == "contiguous":
@@ -248,7 +281,7 @@ def build_groups(k: Tensor, valid: Tensor, p: HybridPlan) -> tuple[Tensor, Tenso
         nodes = 1 << level
         sv = slot_valid.view(B, H, nodes, S // nodes)
         proj = _principal_projection(x.view(B, H, nodes, S // nodes, D), sv, p.tree_iterations)
-        rank = proj.argsort(dim=-1, stable=True)
+        rank = _halves(proj)
         order = order.view(B, H, nodes, -1).gather(-1, rank).view(B, H, S)
         slot_valid = sv.gather(-1, rank).view(B, H, S)
         # rows move within their node only: a local gather, cache-friendly at the deep levels
@@ -260,7 +293,10 @@ def build_groups(k: Tensor, valid: Tensor, p: HybridPlan) -> tuple[Tensor, Tenso
 # selection
 
 
-CHUNK_BYTES = 1 << 24  # gathered window and candidate keys and values per run of query blocks (see _runs)
+# gathered window and candidate keys and values of one (batch, head) per run of query blocks (see
+# _runs): small enough that a run's gathered rows, logits and weights stay in a 2-core CPU's cache
+# (one head, N = 16384, one thread: 118 ms per call at 4 MiB, 137 ms at 16 MiB, 142 ms at 1 MiB)
+CHUNK_BYTES = 1 << 22
 QUERY_BLOCK = 64  # queries (about) that share one set of candidate leaves (see _block_size)
 
 
@@ -391,7 +427,7 @@ def _candidate_nodes(phi, ko, slot_valid, lo, p: HybridPlan, scale: float, causa
             block_score = score[:, :, :, 0].masked_fill(ends[None, :] > first[:, None], -math.inf)
         else:
             block_score = score.amax(3)
-        picks.append(block_score.topk(c, dim=-1))
+        picks.append(_largest(block_score, c))
     top, node = (torch.cat(x, dim=2) for x in zip(*picks))
     return node, top > -math.inf
 
@@ -486,7 +522,7 @@ def _exact_columns(c: _Call, blocks: slice, U: int, slots: Tensor, lc: Tensor, k
         else:  # skip leaves that lie inside the window
             blocked = (start >= lo) & (end.clamp_max(M) <= lo + w)
         score = score.masked_fill(blocked, -math.inf)
-    top, leaf = score.topk(min(p.num_selected, score.shape[-1]), dim=-1)
+    top, leaf = _largest(score, min(p.num_selected, score.shape[-1]))
     col = leaf_columns(leaf, bs, c.per_node).flatten(-2)
     slot = slots.unsqueeze(3).expand(*col.shape[:4], cs).gather(-1, col)
     pos = c.order.gather(2, slot.flatten(2)).view(slot.shape)
@@ -541,7 +577,8 @@ def _attend(c: _Call, blocks: slice, U: int) -> Tensor:
 
 def _runs(N: int, M: int, window: int, causal: bool, qb_size: int, cs: int, row_bytes: int) -> list[tuple[slice, int]]:
     """Runs of query blocks attended together, each with ``U``, the window positions that cover
-    its blocks' windows; a run's gathered keys and values take about ``CHUNK_BYTES``. Plain
+    its blocks' windows; a run's gathered keys and values take about ``CHUNK_BYTES`` per (batch, head)
+    (``row_bytes``: one key and value row of one head). Plain
     integers (the window bounds of :func:`_window_bounds`, which never decrease), so that
     ``torch.compile`` sees fixed sizes."""
 
@@ -633,7 +670,7 @@ def _hybrid_core(q, k, v, valid, causal: bool, scale: float, p: HybridPlan) -> T
               summaries, _Scratch(not torch.compiler.is_compiling()
                                   and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))))
     cs = node.shape[-1] * per_node * bs
-    row_bytes = B * H * (D + v.shape[-1]) * q.element_size()
+    row_bytes = (D + v.shape[-1]) * q.element_size()  # per (batch, head)
     outs = [_attend(c, blocks, U) for blocks, U in _runs(N, M, p.window, causal, qb_size, cs, row_bytes)]
     return torch.cat(outs, 2)[:, :, :N]
 
@@ -745,7 +782,7 @@ def flops(B, H, N, M, D, Dv, o) -> int:
         c = min(max(1, p.candidates // per_node), nodes)
         total += node_cost + 2 * nb * qpb * nodes * rn * width
     cs = c * per_node * bs
-    for blocks, U in _runs(N, M, p.window, False, qb_size, cs, B * H * (D + Dv) * 4):
+    for blocks, U in _runs(N, M, p.window, False, qb_size, cs, (D + Dv) * 4):
         n = blocks.stop - blocks.start
         total += 2 * n * qb_size * (U + cs) * (D + Dv)  # every logit of the block, exact keys' values
         if p.scoring == "bounds":
