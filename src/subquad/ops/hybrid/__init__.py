@@ -51,9 +51,9 @@ the tree, O(N D log N) per power iteration, and the first stage, every query aga
 ``sqrt(N / block_size)`` nodes (so O(N^1.5 D); its memory is bounded by scoring a chunk of query
 blocks at a time); at N = 16384 and D = 64 about 5% of exact attention's FLOPs. On a 2-core CPU
 it is 4.7x faster than SDPA at N = 16384 and about as fast at 4096, far from that FLOP ratio: the
-products are about a quarter of its time, the tree's passes over the keys, the first stage, the
+products are about a third of its time, the tree's passes over the keys, the first stage, the
 leaf scores and the many small kernels of the per-query selection the rest
-(``benchmarks/results/hybrid_speed.md``). ``candidates`` = 128 leaves keeps selection
+(``benchmarks/results/hybrid_speed.md``, ``hybrid_profile.md``). ``candidates`` = 128 leaves keeps selection
 in one stage up to 512 keys (with ``block_size`` 4), where the fidelity was measured; two-stage
 selection costs fidelity: scoring half the leaves through first-stage nodes of 16 leaves raised
 the error on all-MiniLM-L6-v2 from 0.111 to 0.211 at budget 64
