@@ -1,14 +1,16 @@
 """The ListOps results table and validation curves, from the committed runs in runs/listops/.
 
     python benchmarks/listops_report.py --runs runs/listops --data out/data/listops
+    python benchmarks/listops_report.py --runs runs/listops-curriculum --marker listops-curriculum \
+        --plot docs/listops_curriculum_val_accuracy.png --title "LRA ListOps, warm-started from short ListOps"
 
 For every run directory (``METHOD`` is seed 0, ``METHOD-seedK`` seed K): steps done, the
 validation curve from ``metrics.csv``, and, for a finished run, the test accuracy of ``model.pt``
 (final) and of ``best.pt`` (best validation) as ``subquad evaluate listops`` prints it: the
 command runs in a subprocess and its last stdout line is parsed, so the table holds exactly
 what anyone re-running the command gets. Writes the table between the markers
-``<!-- listops-runs:begin -->`` and ``<!-- listops-runs:end -->`` of ``--doc`` and the figure
-``--plot`` (validation accuracy against step, every run).
+``<!-- MARKER:begin -->`` and ``<!-- MARKER:end -->`` of ``--doc`` (``--marker``, default
+``listops-runs``) and the figure ``--plot`` (validation accuracy against step, every run).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-BEGIN, END = "<!-- listops-runs:begin -->", "<!-- listops-runs:end -->"
 LABEL_ENTROPY = 2.2491  # nats, of the training labels (docs/results.md)
 
 
@@ -108,7 +109,7 @@ def _seed_summary(runs: list[dict]) -> str:
     return "\n".join(head + lines)
 
 
-def _plot(runs: list[dict], path: Path) -> None:
+def _plot(runs: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,7 +125,7 @@ def _plot(runs: list[dict], path: Path) -> None:
     ax.set_xlabel("training step")
     ax.set_ylabel("validation accuracy (%)")
     ax.set_xlim(0, 5000)
-    ax.set_title("LRA ListOps, preset nystromformer, length-bucketed batches")
+    ax.set_title(title)
     ax.legend(fontsize=8, ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -137,6 +138,8 @@ def main() -> None:
     parser.add_argument("--data", default="out/data/listops")
     parser.add_argument("--doc", type=Path, default=Path("docs/results.md"))
     parser.add_argument("--plot", type=Path, default=Path("docs/listops_val_accuracy.png"))
+    parser.add_argument("--marker", default="listops-runs", help="the table goes between <!-- MARKER:begin/end -->")
+    parser.add_argument("--title", default="LRA ListOps, preset nystromformer, length-bucketed batches")
     parser.add_argument("--no-evaluate", action="store_true", help="skip subquad evaluate (table shows 'running')")
     args = parser.parse_args()
     order = ["softmax", "nystrom", "linear", "efficient", "performer", "lara", "sinkhorn", "hamburger"]
@@ -147,11 +150,12 @@ def main() -> None:
     table = _table(runs) + _seed_summary(runs)
     print(table)
     text = args.doc.read_text()
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        args.doc.write_text(head + BEGIN + "\n" + table + "\n" + END + tail)
-    _plot(runs, args.plot)
+    begin, end = f"<!-- {args.marker}:begin -->", f"<!-- {args.marker}:end -->"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        args.doc.write_text(head + begin + "\n" + table + "\n" + end + tail)
+    _plot(runs, args.plot, args.title)
 
 
 if __name__ == "__main__":
