@@ -77,10 +77,11 @@ def test_format_1_checkpoint_resumes_to_the_old_result(data_dir, tmp_path):
         torch.testing.assert_close(model[key], fresh[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize("path", sorted(RUNS.glob("*/*.pt")) or [RUNS / "none"],
-                         ids=lambda p: f"{p.parent.name}/{p.name}")
+@pytest.mark.parametrize("path", sorted(RUNS.parent.glob("listops*/**/*.pt")) or [RUNS / "none"],
+                         ids=lambda p: str(p.relative_to(RUNS.parent)))
 def test_committed_listops_runs_load(path):
-    """Every committed checkpoint (best, final and resume) rebuilds its model; the run directory
+    """Every committed checkpoint (best, final and resume) of the ListOps runs (runs/listops,
+    the short-ListOps diagnostic and the warm-started runs) rebuilds its model; the run directory
     is METHOD or METHOD-seedK."""
     if not path.is_file():
         pytest.skip(f"{path} is not here")
