@@ -80,6 +80,41 @@ def test_chunked_first_stage_and_runs_match_naive(case, monkeypatch):
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 3, 7, 8, 12)], ids=lambda c: "-".join(map(str, c)))
+def test_torch_selection_path_matches_naive(case, monkeypatch):
+    """The top-k and the tree's median splits without numpy (what runs on other devices, under
+    torch.compile and under dispatch modes): the same estimator as the numpy path on CPU."""
+    monkeypatch.setattr(hybrid, "QUERY_BLOCK", 4)
+    monkeypatch.setattr(hybrid, "_numpy_path", lambda x: False)
+    n, m, causal, grouping, scoring, group, candidates = case
+    q, k, v = qkv(2, 2, n, 8, m=m, dv=5, seed=n + m)
+    opts = dict(SMALL, grouping=grouping, scoring=scoring, query_group=group, candidates=candidates)
+    out = hybrid_attention(q, k, v, key_padding_mask=_mask(m), causal=causal, **opts)
+    ref = hybrid_attention_naive(q, k, v, _mask(m), causal, None, **opts)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_largest_and_halves_agree_with_torch():
+    """numpy's argpartition picks the same sets as torch.topk and a stable argsort's halves
+    (ties at -inf/+inf aside, which are never real picks)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 40, generator=g)
+    x[0, 0, :30] = -torch.inf
+    for k in (0, 1, 7, 40):
+        val, idx = hybrid._largest(x, k)
+        ref = x.topk(k, dim=-1).values
+        torch.testing.assert_close(val.sort(-1).values, ref.sort(-1).values)
+        torch.testing.assert_close(x.gather(-1, idx), val)
+    proj = torch.randn(4, 6, 16, generator=g)
+    proj[1, 2, 5:] = torch.inf  # invalid slots
+    halves = hybrid._halves(proj)
+    assert torch.equal(halves.sort(-1).values, torch.arange(16).expand(4, 6, 16))
+    lower = proj.gather(-1, halves[..., :8])
+    upper = proj.gather(-1, halves[..., 8:])
+    assert (lower.amax(-1) <= upper.amin(-1)).all()
+    assert torch.equal(lower.sort(-1).values, proj.sort(-1).values[..., :8])
+
+
 @pytest.mark.parametrize("candidates", [256, 4])
 def test_large_leaves_match_naive(candidates, query_block):
     """Leaves of more than EXACT_VARIANCE keys: a leaf scores with its keys' exact logit
