@@ -115,18 +115,22 @@ def _plot(runs: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(9.5, 5))
+    methods = list(dict.fromkeys(r["method"] for r in runs))
+    colours = plt.get_cmap("tab10")
+    styles = ["-", "--", ":"]  # seed 0, 1, 2: one colour per method
     for r in runs:
         if r["val"]:
             steps, acc, _ = zip(*r["val"])
-            ax.plot(steps, [100 * a for a in acc], marker=".", label=r["name"])
+            ax.plot(steps, [100 * a for a in acc], marker=".", markersize=3, label=r["name"],
+                    color=colours(methods.index(r["method"]) % 10), linestyle=styles[r["seed"] % len(styles)])
     ax.axhline(17.15, color="grey", linestyle=":", label="majority class (test)")
     ax.axhline(37.10, color="black", linestyle="--", linewidth=0.8, label="published softmax (37.10)")
     ax.set_xlabel("training step")
     ax.set_ylabel("validation accuracy (%)")
     ax.set_xlim(0, 5000)
     ax.set_title(title)
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
