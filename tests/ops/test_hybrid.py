@@ -54,9 +54,7 @@ def query_block(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-@pytest.mark.parametrize("masked", [False, True])
-def test_matches_naive(case, masked, query_block):
+def _assert_matches_naive(case, masked: bool):
     n, m, causal, grouping, scoring, group, candidates = case
     q, k, v = qkv(2, 2, n, 8, m=m, dv=5, seed=n + m)
     mask = _mask(m) if masked else None
@@ -66,18 +64,19 @@ def test_matches_naive(case, masked, query_block):
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("masked", [False, True])
+def test_matches_naive(case, masked, query_block):
+    _assert_matches_naive(case, masked)
+
+
 @pytest.mark.parametrize("case", CASES[7:], ids=lambda c: "-".join(map(str, c)))
 def test_chunked_first_stage_and_runs_match_naive(case, monkeypatch):
     """CHUNK_BYTES of 1: the first stage scores the nodes one query block at a time and every
     run holds one block, as at long N (where all queries at once would take O(N^1.5) memory)."""
     monkeypatch.setattr(hybrid, "QUERY_BLOCK", 4)
     monkeypatch.setattr(hybrid, "CHUNK_BYTES", 1)
-    n, m, causal, grouping, scoring, group, candidates = case
-    q, k, v = qkv(2, 2, n, 8, m=m, dv=5, seed=n + m)
-    opts = dict(SMALL, grouping=grouping, scoring=scoring, query_group=group, candidates=candidates)
-    out = hybrid_attention(q, k, v, key_padding_mask=_mask(m), causal=causal, **opts)
-    ref = hybrid_attention_naive(q, k, v, _mask(m), causal, None, **opts)
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    _assert_matches_naive(case, masked=True)
 
 
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 3, 7, 8, 12)], ids=lambda c: "-".join(map(str, c)))
@@ -86,12 +85,7 @@ def test_torch_selection_path_matches_naive(case, monkeypatch):
     torch.compile and under dispatch modes): the same estimator as the numpy path on CPU."""
     monkeypatch.setattr(hybrid, "QUERY_BLOCK", 4)
     monkeypatch.setattr(hybrid, "_numpy_path", lambda x: False)
-    n, m, causal, grouping, scoring, group, candidates = case
-    q, k, v = qkv(2, 2, n, 8, m=m, dv=5, seed=n + m)
-    opts = dict(SMALL, grouping=grouping, scoring=scoring, query_group=group, candidates=candidates)
-    out = hybrid_attention(q, k, v, key_padding_mask=_mask(m), causal=causal, **opts)
-    ref = hybrid_attention_naive(q, k, v, _mask(m), causal, None, **opts)
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    _assert_matches_naive(case, masked=True)
 
 
 def test_largest_and_halves_agree_with_torch():

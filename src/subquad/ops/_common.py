@@ -15,7 +15,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-__all__ = ["SMALL_WORK", "check_generator", "check_tensor_option", "one_thread", "over_threads", "randn"]
+__all__ = ["SMALL_WORK", "check_generator", "check_tensor_option", "modes_active", "one_thread", "over_threads",
+           "randn"]
 
 #: elements below which a chain of elementwise kernels runs on one thread (see :func:`one_thread`)
 SMALL_WORK = 1 << 18
@@ -79,6 +80,13 @@ def _single_threaded(work: Callable[[int], None], threads: int) -> Callable[[int
     return run
 
 
+def modes_active() -> bool:
+    """Whether a torch dispatch or function mode is active in this thread (``FlopCounterMode``,
+    ``FakeTensorMode``, ``with torch.device(...)``): work that leaves torch's dispatcher (another
+    thread, numpy) would run without it."""
+    return bool(torch._C._len_torch_dispatch_stack() + torch._C._len_torch_function_stack())
+
+
 def over_threads(work: Callable[[int], None], count: int) -> None:
     """Call ``work(i)`` for ``i`` in ``range(count)``, spread over ``torch.get_num_threads()``
     worker threads that each run torch on one thread; returns when every call has. ``work``
@@ -95,8 +103,7 @@ def over_threads(work: Callable[[int], None], count: int) -> None:
     active (``FlopCounterMode``, ``FakeTensorMode``, ``with torch.device(...)``: modes are per
     thread, and a worker would run without it)."""
     threads = torch.get_num_threads()
-    modes = torch._C._len_torch_dispatch_stack() + torch._C._len_torch_function_stack()
-    if threads == 1 or count == 1 or modes or torch.compiler.is_compiling():
+    if threads == 1 or count == 1 or modes_active() or torch.compiler.is_compiling():
         for i in range(count):
             work(i)
         return

@@ -73,7 +73,7 @@ from torch import Tensor
 
 from ...checks import check_choice, check_int
 from ...registry import register_method
-from .._common import one_thread, over_threads
+from .._common import modes_active, one_thread, over_threads
 from .._masks import compute_dtype, compute_precision
 from ..softmax import softmax_attention
 
@@ -198,8 +198,7 @@ def _numpy_path(x: Tensor) -> bool:
     autograd, outside ``torch.compile`` and outside dispatch and function modes (which numpy would
     bypass)."""
     return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and not x.requires_grad
-            and not torch.compiler.is_compiling()
-            and not torch._C._len_torch_dispatch_stack() and not torch._C._len_torch_function_stack())
+            and not torch.compiler.is_compiling() and not modes_active())
 
 
 def _largest(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
