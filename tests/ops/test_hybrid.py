@@ -1,6 +1,6 @@
 """Hybrid attention: the fast op against its plain definition (``naive.py``) in values and
-gradients, over groupings, scorings, causal and cross lengths, padding, query groups and the
-two-stage selection; masks, causality, the budget rule and exactness at full budget."""
+gradients, over groupings, scorings, causal and cross lengths, padding and the beam descent;
+padding invariance, causality, the budget rule and exactness at full budget."""
 
 from __future__ import annotations
 
@@ -8,35 +8,41 @@ import pytest
 import torch
 
 import subquad
-import subquad.ops.hybrid as hybrid
+import subquad.ops.hybrid.index as hybrid_index
+import subquad.ops.hybrid.options as hybrid_options
 from conftest import qkv
 from subquad.ops.hybrid import HybridOptions, hybrid_attention, plan
+from subquad.ops.hybrid.index import build_index, halves, largest
 from subquad.ops.hybrid.naive import hybrid_attention_naive
 from subquad.ops.softmax.naive import softmax_attention_reference
 
 SMALL = dict(budget=12, block_size=2, window=3, num_selected=2, num_summaries=2)
 
 CASES = [
-    # (N, M, causal, grouping, scoring, query_group, candidates)
-    (13, 13, False, "tree", "second_order", 1, 256),
-    (13, 13, False, "contiguous", "bounds", 1, 256),
-    (13, 17, False, "tree", "mean", 1, 256),
-    (16, 16, True, "contiguous", "second_order", 1, 256),
-    (11, 11, True, "contiguous", "mean", 1, 256),
-    (13, 13, False, "tree", "second_order", 3, 256),
-    (9, 23, False, "contiguous", "second_order", 2, 256),
-    # two stages: more leaves than candidates
-    (29, 29, False, "tree", "second_order", 1, 3),
-    (30, 30, True, "contiguous", "second_order", 1, 3),
-    (29, 37, False, "contiguous", "bounds", 1, 4),
-    (21, 40, False, "tree", "mean", 2, 2),
-    (33, 33, True, "contiguous", "bounds", 1, 2),
-    # two stages, several candidate nodes per block (16 candidates, nodes of 8 leaves)
-    (40, 40, False, "tree", "second_order", 1, 16),
-    (40, 40, True, "contiguous", "second_order", 1, 16),
-    (37, 45, False, "contiguous", "bounds", 1, 16),
-    (30, 41, False, "tree", "mean", 2, 16),
+    # (N, M, causal, grouping, scoring, candidates, beam, chunk_size)
+    (13, 13, False, "tree", "second_order", 256, 32, 128),
+    (13, 13, False, "contiguous", "mean", 256, 32, 128),
+    (13, 17, False, "tree", "mean", 256, 32, 128),
+    (16, 16, True, "contiguous", "second_order", 256, 32, 128),
+    (11, 11, True, "tree", "mean", 8, 4, 4),
+    (9, 23, False, "contiguous", "second_order", 256, 32, 128),
+    # the beam descent: more leaves than candidates
+    (29, 29, False, "tree", "second_order", 4, 2, 8),
+    (30, 30, True, "tree", "second_order", 4, 2, 8),
+    (29, 37, False, "contiguous", "second_order", 4, 4, 8),
+    (21, 40, False, "tree", "mean", 2, 2, 4),
+    (33, 33, True, "contiguous", "mean", 2, 1, 4),
+    (40, 40, False, "tree", "second_order", 8, 2, 8),
+    (60, 60, True, "tree", "second_order", 8, 4, 4),
+    (37, 45, False, "contiguous", "second_order", 8, 2, 8),
+    (45, 45, True, "tree", "mean", 8, 4, 8),
+    (50, 50, True, "tree", "second_order", 16, 2, 4),  # final nodes larger than a chunk
 ]
+
+
+def _opts(case) -> dict:
+    grouping, scoring, candidates, beam, chunk = case[3:]
+    return dict(SMALL, grouping=grouping, scoring=scoring, candidates=candidates, beam=beam, chunk_size=chunk)
 
 
 def _mask(m):
@@ -48,19 +54,18 @@ def _mask(m):
 
 @pytest.fixture(params=[64, 4], ids=["block64", "block4"])
 def query_block(request, monkeypatch):
-    """Queries sharing candidates in two-stage selection: the default, and small enough that
-    the tiny test lengths hold several blocks."""
-    monkeypatch.setattr(hybrid, "QUERY_BLOCK", request.param)
+    """Queries sharing one descent: the default, and small enough that the tiny test lengths
+    hold several blocks."""
+    monkeypatch.setattr(hybrid_options, "QUERY_BLOCK", request.param)
     return request.param
 
 
 def _assert_matches_naive(case, masked: bool):
-    n, m, causal, grouping, scoring, group, candidates = case
+    n, m, causal = case[:3]
     q, k, v = qkv(2, 2, n, 8, m=m, dv=5, seed=n + m)
     mask = _mask(m) if masked else None
-    opts = dict(SMALL, grouping=grouping, scoring=scoring, query_group=group, candidates=candidates)
-    out = hybrid_attention(q, k, v, key_padding_mask=mask, causal=causal, **opts)
-    ref = hybrid_attention_naive(q, k, v, mask, causal, None, **opts)
+    out = hybrid_attention(q, k, v, key_padding_mask=mask, causal=causal, **_opts(case))
+    ref = hybrid_attention_naive(q, k, v, mask, causal, None, **_opts(case))
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
@@ -70,21 +75,21 @@ def test_matches_naive(case, masked, query_block):
     _assert_matches_naive(case, masked)
 
 
-@pytest.mark.parametrize("case", CASES[7:], ids=lambda c: "-".join(map(str, c)))
-def test_chunked_first_stage_and_runs_match_naive(case, monkeypatch):
-    """CHUNK_BYTES of 1: the first stage scores the nodes one query block at a time and every
-    run holds one block, as at long N (where all queries at once would take O(N^1.5) memory)."""
-    monkeypatch.setattr(hybrid, "QUERY_BLOCK", 4)
-    monkeypatch.setattr(hybrid, "CHUNK_BYTES", 1)
+@pytest.mark.parametrize("case", CASES[6:], ids=lambda c: "-".join(map(str, c)))
+def test_chunked_descent_and_runs_match_naive(case, monkeypatch):
+    """CHUNK_BYTES of 1: the descent scores one query block at a time and every run holds one
+    block, as at long N."""
+    monkeypatch.setattr(hybrid_options, "QUERY_BLOCK", 4)
+    monkeypatch.setattr(hybrid_options, "CHUNK_BYTES", 1)
     _assert_matches_naive(case, masked=True)
 
 
-@pytest.mark.parametrize("case", [CASES[i] for i in (0, 3, 7, 8, 12)], ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 3, 6, 7, 12)], ids=lambda c: "-".join(map(str, c)))
 def test_torch_selection_path_matches_naive(case, monkeypatch):
     """The top-k and the tree's median splits without numpy (what runs on other devices, under
     torch.compile and under dispatch modes): the same estimator as the numpy path on CPU."""
-    monkeypatch.setattr(hybrid, "QUERY_BLOCK", 4)
-    monkeypatch.setattr(hybrid, "_numpy_path", lambda x: False)
+    monkeypatch.setattr(hybrid_options, "QUERY_BLOCK", 4)
+    monkeypatch.setattr(hybrid_index, "numpy_path", lambda x: False)
     _assert_matches_naive(case, masked=True)
 
 
@@ -95,49 +100,51 @@ def test_largest_and_halves_agree_with_torch():
     x = torch.randn(3, 5, 40, generator=g)
     x[0, 0, :30] = -torch.inf
     for k in (0, 1, 7, 40):
-        val, idx = hybrid._largest(x, k)
+        val, idx = largest(x, k)
         ref = x.topk(k, dim=-1).values
         torch.testing.assert_close(val.sort(-1).values, ref.sort(-1).values)
         torch.testing.assert_close(x.gather(-1, idx), val)
     proj = torch.randn(4, 6, 16, generator=g)
     proj[1, 2, 5:] = torch.inf  # invalid slots
-    halves = hybrid._halves(proj)
-    assert torch.equal(halves.sort(-1).values, torch.arange(16).expand(4, 6, 16))
-    lower = proj.gather(-1, halves[..., :8])
-    upper = proj.gather(-1, halves[..., 8:])
+    split = halves(proj)
+    assert torch.equal(split.sort(-1).values, torch.arange(16).expand(4, 6, 16))
+    lower = proj.gather(-1, split[..., :8])
+    upper = proj.gather(-1, split[..., 8:])
     assert (lower.amax(-1) <= upper.amin(-1)).all()
     assert torch.equal(lower.sort(-1).values, proj.sort(-1).values[..., :8])
 
 
 @pytest.mark.parametrize("candidates", [256, 4])
 def test_large_leaves_match_naive(candidates, query_block):
-    """Leaves of more than EXACT_VARIANCE keys: a leaf scores with its keys' exact logit
-    variance, a first-stage node with the rank-2 part."""
-    q, k, v = qkv(2, 2, 41, 8, m=45, dv=5, seed=7)
-    opts = dict(budget=20, block_size=5, window=3, num_selected=2, num_summaries=2, candidates=candidates)
-    out = hybrid_attention(q, k, v, key_padding_mask=_mask(45), **opts)
-    torch.testing.assert_close(out, hybrid_attention_naive(q, k, v, _mask(45), False, None, **opts),
-                               rtol=1e-10, atol=1e-10)
+    """Leaves of more keys: a leaf scores with its keys' exact logit variance."""
+    opts = dict(budget=20, block_size=4, window=3, num_selected=2, num_summaries=2, candidates=candidates, beam=2,
+                chunk_size=8)
+    for causal in (False, True):
+        q, k, v = qkv(2, 2, 45 if causal else 41, 8, m=45, dv=5, seed=7)
+        out = hybrid_attention(q, k, v, key_padding_mask=_mask(45), causal=causal, **opts)
+        torch.testing.assert_close(out, hybrid_attention_naive(q, k, v, _mask(45), causal, None, **opts),
+                                   rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("case", [CASES[i] for i in (0, 3, 7, 9, 12, 13)], ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 3, 6, 7, 9, 12)], ids=lambda c: "-".join(map(str, c)))
 def test_gradients_match_naive(case):
-    n, m, causal, grouping, scoring, group, candidates = case
+    n, m, causal = case[:3]
     q, k, v = qkv(1, 2, n, 8, m=m, dv=5, seed=3, requires_grad=True)
     mask = _mask(m)[:1]
-    opts = dict(SMALL, grouping=grouping, scoring=scoring, query_group=group, candidates=candidates)
     w = torch.randn(1, 2, n, 5, dtype=torch.float64)
-    fast = torch.autograd.grad((hybrid_attention(q, k, v, key_padding_mask=mask, causal=causal, **opts) * w).sum(),
+    fast = torch.autograd.grad(
+        (hybrid_attention(q, k, v, key_padding_mask=mask, causal=causal, **_opts(case)) * w).sum(), (q, k, v))
+    slow = torch.autograd.grad((hybrid_attention_naive(q, k, v, mask, causal, None, **_opts(case)) * w).sum(),
                                (q, k, v))
-    slow = torch.autograd.grad((hybrid_attention_naive(q, k, v, mask, causal, None, **opts) * w).sum(), (q, k, v))
     for a, b in zip(fast, slow):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
 
 
-def test_gradcheck():
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck(causal):
     q, k, v = qkv(1, 1, 9, 4, dv=3, seed=5, requires_grad=True)
-    opts = dict(SMALL, grouping="tree")
-    assert torch.autograd.gradcheck(lambda a, b, c: hybrid_attention(a, b, c, **opts), (q, k, v))
+    opts = dict(SMALL, candidates=2, beam=1, chunk_size=2)
+    assert torch.autograd.gradcheck(lambda a, b, c: hybrid_attention(a, b, c, causal=causal, **opts), (q, k, v))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -178,18 +185,53 @@ def test_fully_padded_row_is_zero():
     assert out[0].abs().sum() > 0
 
 
+@pytest.mark.parametrize("grouping", ["tree", "contiguous"])
 @pytest.mark.parametrize("candidates", [256, 2])
-def test_causal_reads_nothing_later(candidates, monkeypatch):
-    monkeypatch.setattr(hybrid, "QUERY_BLOCK", 4)
-    n, t = 40, 23
+def test_causal_reads_nothing_later(grouping, candidates, monkeypatch):
+    monkeypatch.setattr(hybrid_options, "QUERY_BLOCK", 4)
+    n = 40
     q, k, v = qkv(1, 2, n, 8, seed=7)
-    opts = dict(SMALL, candidates=candidates)
+    opts = dict(SMALL, grouping=grouping, candidates=candidates, beam=2 if candidates == 2 else 32, chunk_size=4)
     out = hybrid_attention(q, k, v, causal=True, **opts)
-    q2, k2, v2 = q.clone(), k.clone(), v.clone()
-    for x in (q2, k2, v2):
-        x[:, :, t + 1 :] = torch.randn_like(x[:, :, t + 1 :]) * 5
-    out2 = hybrid_attention(q2, k2, v2, causal=True, **opts)
-    torch.testing.assert_close(out[:, :, : t + 1], out2[:, :, : t + 1], rtol=0, atol=0)
+    for t in (0, 9, 23, 38):
+        q2, k2, v2 = q.clone(), k.clone(), v.clone()
+        for x in (q2, k2, v2):
+            x[:, :, t + 1:] = torch.randn_like(x[:, :, t + 1:]) * 5
+        out2 = hybrid_attention(q2, k2, v2, causal=True, **opts)
+        torch.testing.assert_close(out[:, :, : t + 1], out2[:, :, : t + 1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("side", ["right", "left", "middle"])
+def test_padding_changes_nothing(causal, side, monkeypatch):
+    """A padded batch computes, for every item, exactly what the item computes alone (selection
+    included): keys, and in self-attention queries, are counted by rank among the real ones;
+    padded queries output zeros. Left padding is what batched generation uses."""
+    monkeypatch.setattr(hybrid_options, "QUERY_BLOCK", 8)
+    opts = dict(SMALL, candidates=4, beam=2, chunk_size=8)
+    n, pad = 45, 19
+    q, k, v = qkv(1, 2, n, 8, seed=12)
+    alone = hybrid_attention(q, k, v, causal=causal, **opts)
+    where = {"right": slice(n, n + pad), "left": slice(0, pad), "middle": slice(20, 20 + pad)}[side]
+    real = torch.ones(n + pad, dtype=torch.bool)
+    real[where] = False
+    big = [torch.randn(1, 2, n + pad, 8, dtype=torch.float64) * 3 for _ in range(3)]
+    for x, small in zip(big, (q, k, v)):
+        x[:, :, real] = small
+    out = hybrid_attention(*big, key_padding_mask=~real[None], causal=causal, **opts)
+    torch.testing.assert_close(out[:, :, real], alone, rtol=1e-12, atol=1e-12)
+    assert torch.equal(out[:, :, ~real], torch.zeros_like(out[:, :, ~real]))
+
+
+def test_every_leaf_a_candidate_is_one_stage():
+    """candidates >= leaves: no descent, every leaf scored (the reference the descent is measured
+    against)."""
+    q, k, v = qkv(1, 2, 70, 8, seed=13)
+    p = plan(HybridOptions(budget=16, candidates=1024), 70, causal=False)
+    assert p.one_stage and p.final_level == 0
+    a = hybrid_attention(q, k, v, budget=16, candidates=1024)
+    b = hybrid_attention(q, k, v, budget=16, candidates=64, beam=32)
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 def test_single_query_and_single_key():
@@ -211,23 +253,32 @@ def test_bf16_autocast_computes_in_float32():
 
 def test_budget_rule():
     p = plan(HybridOptions(), 512, causal=False)
-    assert (p.window, p.num_selected, p.num_summaries, p.block_size, p.grouping) == (8, 12, 8, 4, "tree")
+    assert (p.window, p.num_selected, p.num_summaries, p.block_size) == (8, 12, 8, 4)
+    assert (p.depth, p.chunk_level, p.start_level, p.final_level) == (7, 0, 0, 0)  # 128 leaves: one stage
     p = plan(HybridOptions(budget=128), 512, causal=True)
-    assert (p.window, p.num_selected, p.num_summaries, p.grouping) == (16, 24, 16, "contiguous")
+    assert (p.window, p.num_selected, p.num_summaries) == (16, 24, 16)
+    assert p.chunk_level == 7 - 5  # sealed chunks of 128 keys = 32 leaves
     p = plan(HybridOptions(budget=32, window=2, num_selected=1), 512, causal=False)
     assert (p.window, p.num_selected, p.num_summaries) == (2, 1, 4)
+    p = plan(HybridOptions(), 16384, causal=False)  # 4096 leaves: descend from 32 nodes to nodes of 4 leaves
+    assert (p.depth, p.start_level, p.final_level) == (12, 5, 10)
+    assert plan(HybridOptions(grouping="contiguous"), 16384, causal=False).chunk_level == 12
 
 
 def test_bad_combinations_raise():
     q, k, v = qkv(1, 1, 20, 8, seed=0)
-    with pytest.raises(ValueError, match="grouping='contiguous'"):
-        hybrid_attention(q, k, v, causal=True, grouping="tree")
-    with pytest.raises(ValueError, match="query_group=1"):
-        hybrid_attention(q, k, v, causal=True, query_group=2)
     with pytest.raises(ValueError, match="power of two"):
         hybrid_attention(q, k, v, num_summaries=3, budget=12)
+    with pytest.raises(ValueError, match="power of two"):
+        hybrid_attention(q, k, v, candidates=100)
+    with pytest.raises(ValueError, match="beam"):
+        hybrid_attention(q, k, v, candidates=16, beam=32)
+    with pytest.raises(ValueError, match="chunk_size"):
+        hybrid_attention(q, k, v, chunk_size=0)
     with pytest.raises(ValueError, match="scoring"):
         hybrid_attention(q, k, v, scoring="oracle")
+    with pytest.raises(ValueError, match="grouping"):
+        hybrid_attention(q, k, v, grouping="random")
     with pytest.raises(TypeError, match="budget"):
         hybrid_attention(q, k, v, budget=1.5)
 
@@ -238,19 +289,27 @@ def test_tree_groups_similar_keys():
     centres = torch.randn(2, 8, generator=g, dtype=torch.float64) * 10
     labels = torch.arange(32) % 2
     k = (centres[labels] + 0.1 * torch.randn(32, 8, generator=g, dtype=torch.float64))[None, None]
-    p = plan(HybridOptions(budget=8, block_size=4, num_summaries=2), 32, causal=False)
-    order, slot_valid, coarse = hybrid.build_groups(k, torch.ones(1, 32, dtype=torch.bool), p)
-    halves = labels[order[0, 0]].view(2, 16)
-    assert coarse == 16 and slot_valid.all()
-    assert {tuple(h.unique().tolist()) for h in halves} == {(0,), (1,)}
+    index = build_index(k, plan(HybridOptions(budget=8, block_size=4, num_summaries=2), 32, causal=False))
+    assert index.slot_valid.all()
+    assert {tuple(h.unique().tolist()) for h in labels[index.order[0, 0]].view(2, 16)} == {(0,), (1,)}
+
+
+def test_causal_tree_never_mixes_chunks():
+    """Causal: the tree splits by position down to the sealed chunks, by similarity inside them."""
+    k = torch.randn(1, 1, 64, 8, dtype=torch.float64)
+    index = build_index(k, plan(HybridOptions(budget=8, block_size=2, chunk_size=16, candidates=8, beam=4), 64,
+                                causal=True))
+    chunks = index.order[0, 0].view(4, 16) // 16
+    assert torch.equal(chunks, torch.arange(4)[:, None].expand(4, 16))
+    assert not torch.equal(index.order[0, 0], torch.arange(64))
 
 
 @pytest.mark.parametrize("opts", [
-    dict(budget=16, block_size=2, scoring="bounds", grouping="contiguous"),
-    dict(budget=16, block_size=8, scoring="second_order", query_group=3),
-    dict(budget=16, block_size=2, candidates=4, scoring="second_order"),
-    dict(budget=16, block_size=4, candidates=8, scoring="mean", grouping="contiguous"),
-], ids=["bounds-contiguous", "blocks8-grouped", "two-stage", "two-stage-mean"])
+    dict(budget=16, block_size=2, scoring="mean", grouping="contiguous"),
+    dict(budget=16, block_size=8, scoring="second_order"),
+    dict(budget=16, block_size=2, candidates=4, beam=2, scoring="second_order"),
+    dict(budget=16, block_size=4, candidates=8, beam=2, scoring="mean", grouping="contiguous"),
+], ids=["mean-contiguous", "blocks8", "descent", "descent-mean"])
 def test_flop_formula_matches_counted(opts):
     from subquad.bench.flops import counted_flops, forward_flops
     from subquad.bench.workload import full_options

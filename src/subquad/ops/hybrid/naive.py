@@ -1,10 +1,11 @@
-"""The hybrid estimator written out plainly, for tests: loops over batch, heads, queries and
-groups, a dense logit matrix, and each key's weight set one by one. Slow; tiny shapes only.
+"""The hybrid estimator written out plainly, for tests: loops over batch, heads, queries, nodes
+and keys, a dense logit matrix, and each key's weight set one by one. Slow; tiny shapes only.
 
 For query ``i``: keys attended exactly keep their logit ``s q.k_j``; every other real key that
 ``i`` may see (causal: before its window) gets the mean logit of the keys of its coarse group
 that are not attended exactly; padded (and, causal, later) keys get nothing. The output is
-``sum_j w_j v_j / sum_j w_j`` with ``w_j = exp(logit_j)``.
+``sum_j w_j v_j / sum_j w_j`` with ``w_j = exp(logit_j)``. Keys are handled by rank among the
+real keys throughout; in self-attention with padding, queries too (padded ones output zeros).
 """
 
 from __future__ import annotations
@@ -14,84 +15,114 @@ import math
 import torch
 from torch import Tensor
 
-from . import HybridOptions, HybridPlan, leaves_per_node, plan
-from .. import hybrid as _hybrid  # QUERY_BLOCK read at call time (tests may change it)
+from . import options as _options
+from ..softmax.naive import softmax_attention_reference
+from .options import HybridOptions, HybridPlan, plan
 
-__all__ = ["hybrid_attention_naive", "groups_naive", "leaf_scores_naive"]
+__all__ = ["hybrid_attention_naive", "tree_naive"]
 
 
-def _split(keys: Tensor, slots: list[int], valid: list[bool], iterations: int) -> list[int]:
-    """One node of the tree: its slots sorted by projection on the top principal direction of
-    its valid keys (power iteration from the farthest key), invalid slots last."""
-    idx = [s for s, ok in zip(slots, valid) if ok]
-    if not idx:
-        return slots
-    x = keys[idx]
-    dev = x - x.mean(0)
-    full = torch.zeros(len(slots), keys.shape[1], dtype=keys.dtype)
-    for row, (s, ok) in enumerate(zip(slots, valid)):
-        if ok:
-            full[row] = dev[idx.index(s)]
-    u = full[int(full.square().sum(1).argmax())]
+def _stats(keys: Tensor, members: list[int], size: int, iterations: int):
+    """Count, mean, principal part and per-member projections of one node (``members``: real
+    key ranks among its ``size`` slots), as ``index.node_stats`` defines them."""
+    D = keys.shape[1]
+    if not members:
+        return 0, torch.zeros(D, dtype=keys.dtype), torch.zeros(D, dtype=keys.dtype), {}
+    x = keys[members]
+    mean = x.mean(0)
+    dev = x - mean
+    u = dev[int(dev.square().sum(1).argmax())]
     for _ in range(iterations):
-        u = full.T @ (full @ u)
-        u = u / max(float(u.norm()), 1e-30)
-    proj = [float(full[r] @ u) if ok else math.inf for r, ok in enumerate(valid)]
-    ranked = sorted(range(len(slots)), key=lambda r: proj[r])  # sorted() is stable
-    return [slots[r] for r in ranked]
+        u = dev.T @ (dev @ u)
+        u = u / max(float(u.detach().norm()), 1e-30)
+    proj = dev @ u
+    lam = float(proj.square().sum()) / len(members)
+    return len(members), mean, u * math.sqrt(lam), dict(zip(members, proj.tolist()))
 
 
-def groups_naive(k: Tensor, valid: Tensor, p: HybridPlan) -> list[list[int]]:
-    """Leaves of one head's keys ``k`` ``(M, D)`` (``valid`` ``(M,)``) as lists of slot
-    positions (``>= M``: padding slots), in slot order."""
+def tree_naive(k: Tensor, p: HybridPlan) -> tuple[list[list[int]], dict]:
+    """The key tree of one head's real keys ``k`` ``(M, D)`` (rank order): its leaves, as lists
+    of key ranks (``-1``: an empty slot) in slot order, and the summary ``(count, mean,
+    principal)`` of every node the descent scores, by ``(level, index)``."""
     M = k.shape[0]
-    bs = p.block_size
-    if p.grouping == "contiguous":
-        coarse = -(-M // (p.num_summaries * bs)) * bs
-        S = coarse * p.num_summaries
-        slots = list(range(S))
-    else:
-        depth = max(math.ceil(math.log2(max(1, -(-M // bs)))), int(math.log2(p.num_summaries)))
-        S = bs << depth
-        slots = list(range(S))
-        ok = lambda s: s < M and bool(valid[s])  # noqa: E731
-        keys = torch.cat([k, k[-1:].expand(S - M, -1)])
-        nodes = [slots]
-        while len(nodes[0]) > bs:
-            nodes = [_split(keys, n, [ok(s) for s in n], p.tree_iterations) for n in nodes]
-            nodes = [half for n in nodes for half in (n[: len(n) // 2], n[len(n) // 2 :])]
-        slots = [s for n in nodes for s in n]
-    return [slots[i : i + bs] for i in range(0, S, bs)]
+    nodes = [list(range(M)) + [-1] * (p.slots - M)]
+    stats = {}
+    for level in range(p.depth + 1):
+        scored = p.start_level < level <= p.final_level
+        split = p.chunk_level <= level < p.depth
+        nxt = []
+        for j, node in enumerate(nodes):
+            members = [r for r in node if r >= 0]
+            count, mean, principal, proj = _stats(k, members, len(node), p.tree_iterations)
+            if scored:
+                stats[level, j] = (count, mean, principal)
+            if split:  # sorted() is stable; empty slots last
+                node = sorted(node, key=lambda r: proj[r] if r >= 0 else math.inf)
+            nxt += [node[: len(node) // 2], node[len(node) // 2:]]
+        if level < p.depth:
+            nodes = nxt
+    return nodes, stats
 
 
-def leaf_scores_naive(q: Tensor, k: Tensor, leaf: list[int], valid: Tensor, scoring: str, scale: float,
-                      rank: int | None = None) -> float:
-    """The score of a group of key slots (a leaf, or a first-stage node) for one query ``q``
-    ``(D,)``; -inf for a group with no real key. ``second_order`` takes the variance from the top
-    ``rank`` singular pairs of the key deviations (None: all of them, the exact variance)."""
-    M = k.shape[0]
-    real = [j for j in leaf if j < M and bool(valid[j])]
-    if not real:
+def _node_score(q: Tensor, stat, scoring: str, scale: float) -> float:
+    count, mean, principal = stat
+    if count == 0:
         return -math.inf
-    x = k[real]
-    if scoring == "bounds":
-        hi, lo = x.max(0).values, x.min(0).values
-        return float(sum(max(q[d] * hi[d], q[d] * lo[d]) for d in range(len(q)))) * scale
-    score = float(q @ x.mean(0)) * scale
+    score = float(q @ mean) * scale
     if scoring == "second_order":
-        dev = x - x.mean(0)
-        _, sv, vh = torch.linalg.svd(dev, full_matrices=False)
-        r = vh.shape[0] if rank is None else min(rank, vh.shape[0])
-        var = sum(float(q @ (sv[t] * vh[t])) ** 2 for t in range(r)) / len(real)
-        score += math.log(len(real)) + 0.5 * scale * scale * var
+        score += math.log(count) + 0.5 * scale * scale * float(q @ principal) ** 2
     return score
 
 
-def _window(i: int, N: int, M: int, w: int, causal: bool) -> tuple[int, int]:
+def _leaf_score(logits: list[float], scoring: str) -> float:
+    """Score of a leaf from the logits of its keys the query may select."""
+    if not logits:
+        return -math.inf
+    x = torch.tensor(logits, dtype=torch.float64)
+    score = float(x.mean())
+    if scoring == "second_order":
+        score += math.log(len(logits)) + 0.5 * max(float((x * x).mean()) - score * score, 0.0)
+    return score
+
+
+def _windows(N: int, M: int, valid: Tensor, w: int, causal: bool) -> list[int]:
+    """First rank of each query's window (rank = real keys before a position)."""
+    rank = [int(valid[:j].sum()) for j in range(M + 1)]
     if causal:
-        return i - w + 1, i + 1
-    lo = min(max((2 * i + 1) * M // (2 * N) - w // 2, 0), M - w)
-    return lo, lo + w
+        return [rank[min(i + 1, M)] - w for i in range(N)]
+    return [min(max(rank[(2 * i + 1) * M // (2 * N)] - w // 2, 0), max(rank[M] - w, 0)) for i in range(N)]
+
+
+def _candidates(qs: list[Tensor], stats, nodes, sealed: int | None, p: HybridPlan, scale: float) -> list[list[int]]:
+    """The candidate leaves (lists of ranks) of one block of queries ``qs``: the beam descent."""
+    def extent(level, j):
+        size = p.slots >> level
+        start, end = j * size, (j + 1) * size
+        if level >= p.chunk_level:
+            start = start // p.chunk_size * p.chunk_size
+            end = start + p.chunk_size
+        return start, end
+
+    frontier = [(0.0, j) for j in range(1 << p.start_level)]
+    for level in range(p.start_level + 1, p.final_level + 1):
+        scored = []
+        for parent_score, parent in frontier:
+            for j in (2 * parent, 2 * parent + 1):
+                s = max(_node_score(qv, stats[level, j], p.scoring, scale) for qv in qs)
+                if parent_score == -math.inf:
+                    s = -math.inf
+                elif sealed is not None:
+                    start, end = extent(level, j)
+                    if end > sealed:
+                        s = math.inf if level < p.chunk_level and start < sealed else -math.inf
+                scored.append((s, j))
+        keep = p.beam + (sealed is not None)
+        frontier = sorted(scored, key=lambda t: -t[0])[:keep]
+    per_node = 1 << (p.depth - p.final_level)
+    leaves = [(j * per_node + t) for s, j in frontier if s > -math.inf for t in range(per_node)]
+    if sealed is not None:
+        leaves = [t for t in leaves if (t * p.block_size // p.chunk_size + 1) * p.chunk_size <= sealed]
+    return [nodes[t] for t in leaves]
 
 
 def hybrid_attention_naive(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None,
@@ -101,93 +132,93 @@ def hybrid_attention_naive(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Te
     M = k.shape[2]
     scale = D**-0.5 if scale is None else scale
     o = HybridOptions(**options)
-    p = plan(o, M, causal)
     valid = torch.ones(B, M, dtype=torch.bool) if key_padding_mask is None else ~key_padding_mask
     out = torch.zeros(B, H, N, v.shape[-1], dtype=q.dtype)
     for b in range(B):
+        real = [j for j in range(M) if valid[b, j]]
+        if not real:
+            continue
+        if o.budget >= len(real) or o.budget >= M:
+            out[b] = softmax_attention_reference(q[b: b + 1], k[b: b + 1], v[b: b + 1],
+                                                 None if key_padding_mask is None else key_padding_mask[b: b + 1],
+                                                 causal, scale)[0]
+            continue
+        p = plan(o, len(real), causal)
+        # self-attention with padding: only the real queries, at their ranks
+        queries = real if (N == M and len(real) < M) else list(range(N))
+        Mq = len(real) if queries is real else M
+        pos_valid = torch.ones(Mq, dtype=torch.bool) if queries is real else valid[b]
+        lo = _windows(len(queries), Mq, pos_valid, p.window, causal)
+        upto = [int(pos_valid[: i + 1].sum()) for i in range(len(queries))]  # causal: ranks a query sees
         for h in range(H):
-            out[b, h] = _head(q[b, h], k[b, h], v[b, h], valid[b], causal, scale, o.budget >= M, p)
+            kr, vr = k[b, h, real], v[b, h, real]
+            out[b, h, queries] = _head(q[b, h, queries], kr, vr, lo, upto, causal, scale, p)
     return out
 
 
-def _head(q, k, v, valid, causal, scale, exact, p: HybridPlan):
+def _head(q, k, v, lo, upto, causal, scale, p: HybridPlan):
     N, M = q.shape[0], k.shape[0]
     logits = (q @ k.T) * scale
-    leaves = groups_naive(k, valid, p)
-    per_coarse = len(leaves) // p.num_summaries
-    coarse_of = {j: c // per_coarse for c, leaf in enumerate(leaves) for j in leaf}
+    leaves, stats = tree_naive(k, p)
+    qb = _options.QUERY_BLOCK
     out = torch.zeros(N, v.shape[-1], dtype=q.dtype)
     for i in range(N):
-        lo, hi = _window(i, N, M, p.window, causal)
-        seen = [j for j in range(M) if valid[j] and (not causal or j <= i)]
-        if exact:
-            chosen = set(seen)
-        else:
-            chosen = {j for j in range(max(lo, 0), hi) if j in seen} | _selected(q, k, valid, leaves, i, lo, hi, p,
-                                                                                causal, scale)
-        rest = [j for j in seen if j not in chosen and (not causal or j < lo)]
+        seen = list(range(upto[i] if causal else M))
+        window = [j for j in range(lo[i], lo[i] + p.window) if 0 <= j < M]
+        region = [j for j in seen if (j < lo[i] if causal else j not in window)]  # may be selected or summarised
+        block = range((i // qb) * qb, min((i // qb + 1) * qb, N))
+        chosen = set(window) | _selected(q, logits, leaves, stats, i, block, lo, region, causal, p, scale)
+        rest = [j for j in region if j not in chosen]
         weight = torch.zeros(M, dtype=q.dtype)
         for j in chosen:
             weight[j] = logits[i, j].exp()
-        for c in set(coarse_of[j] for j in rest):
-            members = [j for j in rest if coarse_of[j] == c]
-            mean_logit = logits[i, members].mean()
-            for j in members:
+        for group in _coarse_groups(rest, leaves, M, causal, p):
+            mean_logit = logits[i, group].mean()
+            for j in group:
                 weight[j] = mean_logit.exp()
         if weight.sum() > 0:
             out[i] = weight @ v / weight.sum()
     return out
 
 
-def _candidates(k, valid, leaves, lo_first: int, block_queries: list[Tensor], p: HybridPlan, causal,
-                scale) -> list[int]:
-    """Candidate leaves of one block of (pooled) queries: every leaf in one stage, else the
-    leaves of the best nodes (runs of ``per_node`` leaves) by the best score any query of the
-    block gives them (causal: the first query, among nodes that end before its window)."""
-    L = len(leaves)
-    per_node = leaves_per_node(L, p.candidates)
-    if per_node >= L:
-        return list(range(L))
-    nodes = -(-L // per_node)
-    scored = []
-    for node in range(nodes):
-        members = [j for leaf in leaves[node * per_node : (node + 1) * per_node] for j in leaf]
-        rank = None if len(members) <= _hybrid.EXACT_VARIANCE else 2
-        if causal:
-            ends = (node + 1) * per_node * p.block_size
-            s = leaf_scores_naive(block_queries[0], k, members, valid, p.scoring, scale, rank)
-            s = -math.inf if ends > max(lo_first, 0) else s
-        else:
-            s = max(leaf_scores_naive(qb, k, members, valid, p.scoring, scale, rank) for qb in block_queries)
-        scored.append((s, node))
-    top = sorted(scored, key=lambda t: -t[0])[: min(max(1, p.candidates // per_node), nodes)]
-    return [node * per_node + t for s, node in top if s > -math.inf for t in range(per_node)
-            if node * per_node + t < L]
+def _coarse_groups(rest: list[int], leaves, M: int, causal: bool, p: HybridPlan) -> list[list[int]]:
+    """``rest`` split by coarse group: runs of ranks (causal) or the tree's nodes at depth
+    ``log2(num_summaries)``."""
+    if causal:
+        size = -(-M // (p.num_summaries * p.block_size)) * p.block_size
+        group_of = {j: j // size for j in rest}
+    else:
+        per = len(leaves) // p.num_summaries
+        group_of = {j: t // per for t, leaf in enumerate(leaves) for j in leaf if j >= 0}
+    groups = {}
+    for j in rest:
+        groups.setdefault(group_of[j], []).append(j)
+    return list(groups.values())
 
 
-def _selected(q, k, valid, leaves, i, lo, hi, p: HybridPlan, causal, scale) -> set[int]:
-    """Keys of the leaves chosen for query ``i`` (real keys outside the window)."""
-    M, N = k.shape[0], q.shape[0]
-    g = p.query_group
-    qb = max(1, _hybrid.QUERY_BLOCK // g)  # pooled queries per block
-    pooled = [q[t : min(t + g, N)].mean(0) for t in range(0, N, g)]
-    gi = i // g
-    block = range((gi // qb) * qb, min((gi // qb + 1) * qb, len(pooled)))
-    first = block[0] * g
-    lo_first = _window(first, N, M, p.window, causal)[0]
-    cands = _candidates(k, valid, leaves, lo_first, [pooled[t] for t in block], p, causal, scale)
+def _selected(q, logits, leaves, stats, i, block, lo, region, causal, p: HybridPlan, scale) -> set[int]:
+    """Keys of the leaves chosen for query ``i``: its block's candidates (tree leaves from the
+    descent; causal, also the recent leaves by position), each scored over the keys ``i`` may
+    select (``region``)."""
+    qb = _options.QUERY_BLOCK
+    first = block[0]
+    sealed = None
+    cands = []
+    if causal:
+        sealed = max(max(lo[first], 0) // p.chunk_size - 1, 0) * p.chunk_size
+        last = lo[min(first + qb, len(lo)) - 1] if first + qb <= len(lo) else lo[-1]
+        recent = range(sealed, max(last, sealed), p.block_size)
+        cands = [list(range(r, r + p.block_size)) for r in recent]
+    if causal:  # the qb queries that end at the block's first
+        qs = [q[max(first - qb + 1 + t, 0)] for t in range(qb)]
+    else:
+        qs = [q[t] for t in block] + [q[block[-1]]] * (qb - len(block))  # the last query repeated
+    cands += _candidates(qs, stats, leaves, sealed, p, scale)
+    allowed = set(region)
     scored = []
-    for index in cands:
-        leaf = leaves[index]
-        s = leaf_scores_naive(pooled[gi], k, leaf, valid, p.scoring, scale)
-        start, end = index * p.block_size, (index + 1) * p.block_size
-        if p.grouping == "contiguous":
-            if causal and end > max(lo, 0):
-                s = -math.inf
-            if not causal and start >= lo and min(end, M) <= hi:
-                s = -math.inf
-        scored.append((s, index))
+    for leaf in cands:
+        keys = [j for j in leaf if j in allowed]
+        scored.append((_leaf_score([float(logits[i, j]) for j in keys], p.scoring), keys))
     # torch.topk order is not specified among equal scores; the tests use inputs without ties
-    top = sorted(scored, key=lambda t: -t[0])[: min(p.num_selected, len(scored))]
-    keys = {j for s, index in top if s > -math.inf for j in leaves[index]}
-    return {j for j in keys if j < M and bool(valid[j]) and not (lo <= j < hi)}
+    top = sorted(scored, key=lambda t: -t[0])[: p.num_selected]
+    return {j for s, keys in top if s > -math.inf for j in keys}

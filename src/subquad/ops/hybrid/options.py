@@ -1,0 +1,126 @@
+"""hybrid's options, the rule that splits its budget, and the resolved plan of one call."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ...checks import check_choice, check_int
+
+__all__ = ["HybridOptions", "HybridPlan", "plan", "QUERY_BLOCK", "CHUNK_BYTES", "GROUPINGS", "SCORINGS"]
+
+GROUPINGS = ("tree", "contiguous")
+SCORINGS = ("second_order", "mean")
+
+#: queries (consecutive) that share one descent of the key tree, and so one set of candidate leaves
+QUERY_BLOCK = 64
+# gathered window and candidate keys and values of one (batch, head) per run of query blocks: small
+# enough that a run's gathered rows, logits and weights stay in a 2-core CPU's cache (one head,
+# N = 16384, one thread: 118 ms per call at 4 MiB, 137 ms at 16 MiB, 142 ms at 1 MiB)
+CHUNK_BYTES = 1 << 22
+
+
+@dataclass
+class HybridOptions:
+    """``budget``: keys attended exactly + summaries per query (default 64); ``window``,
+    ``block_size`` (keys per leaf), ``num_selected`` (leaves attended exactly per query),
+    ``num_summaries`` (coarse groups, a power of two): the parts, derived from the budget when
+    None; ``grouping``: ``"tree"`` (keys grouped by similarity; causal: within sealed chunks) or
+    ``"contiguous"`` (by position); ``scoring``: ``"second_order"`` or ``"mean"``;
+    ``candidates``: leaves each block of queries scores exactly (all of them when there are at
+    most this many), found by a beam descent of the key tree keeping ``beam`` nodes per level;
+    ``chunk_size``: keys per sealed chunk in causal mode (a power of two); ``tree_iterations``: power-iteration steps per node."""
+
+    budget: int = 64
+    window: int | None = None
+    block_size: int = 4
+    num_selected: int | None = None
+    num_summaries: int | None = None
+    grouping: str = "tree"
+    scoring: str = "second_order"
+    candidates: int = 128
+    beam: int = 32
+    chunk_size: int = 128
+    tree_iterations: int = 4
+
+    def __post_init__(self):
+        for name in ("budget", "block_size", "candidates", "beam", "chunk_size", "tree_iterations"):
+            check_int("hybrid", name, getattr(self, name), minimum=1)
+        for name in ("window", "num_selected"):
+            if getattr(self, name) is not None:
+                check_int("hybrid", name, getattr(self, name), minimum=0)
+        if self.num_summaries is not None:
+            check_int("hybrid", "num_summaries", self.num_summaries, minimum=1)
+        check_choice("hybrid", "grouping", self.grouping, GROUPINGS)
+        check_choice("hybrid", "scoring", self.scoring, SCORINGS)
+        for name in ("block_size", "candidates", "beam", "chunk_size"):
+            value = getattr(self, name)
+            if value & (value - 1):
+                raise ValueError(f"hybrid: {name} must be a power of two, got {value}")
+        if self.num_summaries is not None and self.num_summaries & (self.num_summaries - 1):
+            raise ValueError(f"hybrid: num_summaries must be a power of two, got {self.num_summaries}")
+        if self.beam > self.candidates:
+            raise ValueError(f"hybrid: beam ({self.beam}) must not exceed candidates ({self.candidates})")
+
+
+@dataclass(frozen=True)
+class HybridPlan:
+    """The resolved parts for one call (``n_keys`` real keys): every field set.
+
+    ``depth``: levels of the key tree (``2**depth`` leaves of ``block_size`` slots);
+    ``chunk_level``: the first level whose nodes are split by similarity (levels above it split
+    by position: every level for ``contiguous`` grouping, the levels above the sealed chunks when
+    causal, none otherwise); ``final_level``: the level of the nodes the descent ends on (their
+    leaves are the candidates); ``start_level``: where it starts (every node of that level)."""
+
+    window: int
+    block_size: int
+    num_selected: int
+    num_summaries: int
+    scoring: str
+    causal: bool
+    depth: int
+    chunk_level: int
+    start_level: int
+    final_level: int
+    beam: int
+    chunk_size: int
+    tree_iterations: int
+
+    @property
+    def slots(self) -> int:
+        return self.block_size << self.depth
+
+    @property
+    def one_stage(self) -> bool:
+        """Every leaf is a candidate of every block: no descent."""
+        return self.final_level == 0
+
+
+def plan(o: HybridOptions, n_keys: int, causal: bool) -> HybridPlan:
+    """Split ``o.budget`` into window, selected leaves and summaries (``num_summaries`` = the
+    largest power of two <= budget / 8, ``window`` = budget // 8, ``num_selected`` = what is left
+    in leaves of ``block_size``), and lay out the key tree for ``n_keys`` real keys."""
+    summaries = o.num_summaries
+    if summaries is None:
+        summaries = 1 << max(0, int(math.log2(max(1, o.budget // 8))))
+    window = o.budget // 8 if o.window is None else o.window
+    selected = o.num_selected
+    if selected is None:
+        selected = max(0, (o.budget - window - summaries) // o.block_size)
+    bs = o.block_size
+    depth = max(math.ceil(math.log2(max(1, -(-n_keys // bs)))), int(math.log2(summaries)))
+    if o.grouping == "contiguous":
+        chunk_level = depth
+    elif causal:
+        chunk_level = max(0, depth - int(math.log2(max(1, o.chunk_size // bs))))
+    else:
+        chunk_level = 0
+    per_final = o.candidates // o.beam  # leaves of a final node
+    if (1 << depth) <= o.candidates:
+        final = start = 0
+    else:
+        final = depth - int(math.log2(per_final))
+        start = min(int(math.log2(o.beam)), final)
+    return HybridPlan(min(window, max(n_keys, 1)), bs, selected, summaries, o.scoring, causal, depth, chunk_level,
+                      start, final, o.beam, o.chunk_size, o.tree_iterations)

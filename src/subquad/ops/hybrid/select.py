@@ -1,0 +1,131 @@
+"""hybrid's selection: which leaves a block of queries scores exactly (a beam descent of the key
+tree, shared by the block), and which of them each query attends (the leaves whose keys' logits
+give the highest score).
+
+Scores of a group of keys for a query (scale ``s``), the log of the group's attention mass to
+second order: ``s q.mean + log n + s^2 Var_j(q.k_j) / 2`` (``"second_order"``; for a node the
+variance along its principal direction only, for a leaf the exact variance of its keys' logits),
+or ``s q.mean`` (``"mean"``, MoBA, Lu et al. 2025).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .index import KeyIndex, largest
+from . import options as _options
+from .options import HybridPlan
+
+__all__ = ["sealed_ends", "descend", "node_scores", "leaf_scores"]
+
+
+def sealed_ends(lo_first: Tensor, p: HybridPlan) -> Tensor:
+    """Causal: the keys (ranks ``[0, end)``) whose sealed chunks a block whose first query's
+    window starts at ``lo_first`` ``(nb,)`` searches through the tree: the chunks before the
+    one before the chunk holding that window start. The keys after them and before each query's
+    window are its recent keys, candidates in leaves by position."""
+    C = p.chunk_size
+    return (lo_first.clamp_min(0) // C - 1).clamp_min(0) * C
+
+
+def node_scores(q: Tensor, count: Tensor, mean: Tensor, principal: Tensor, scoring: str, scale: float) -> Tensor:
+    """Scores of nodes for queries: q ``(..., Q, D)``, count ``(..., G)``, mean, principal
+    ``(..., G, D)`` -> ``(..., Q, G)``; -inf for a node without keys."""
+    score = (q @ mean.transpose(-2, -1)) * scale
+    if scoring == "second_order":
+        var = (q @ principal.transpose(-2, -1)).square_()
+        score = score + count.clamp_min(1).log().unsqueeze(-2) + (0.5 * scale * scale) * var
+    return score.masked_fill((count == 0).unsqueeze(-2), -math.inf)
+
+
+def _allowed(node: Tensor, level: int, sealed: Tensor | None, p: HybridPlan) -> tuple[Tensor, Tensor] | None:
+    """For heap ids ``node`` ``(B, H, nb, K)`` of ``level``: whether each lies in its block's
+    sealed region, and whether it straddles its end (a node split by position that must be
+    opened); None when everything is allowed (not causal)."""
+    if sealed is None:
+        return None
+    size = p.slots >> level
+    start = (node - (1 << level)) * size
+    end = start + size
+    if level >= p.chunk_level:  # similarity splits: a node holds keys of one chunk, in any order
+        start = start // p.chunk_size * p.chunk_size
+        end = start + p.chunk_size
+    s = sealed.view(-1, 1)
+    inside = end <= s
+    straddles = (start < s) & (s < end) if level < p.chunk_level else torch.zeros_like(inside)
+    return inside, straddles
+
+
+def descend(q: Tensor, index: KeyIndex, sealed: Tensor | None, p: HybridPlan, scale: float) -> tuple[Tensor, Tensor]:
+    """The candidate leaves of each block of queries ``q`` ``(B, H, nb, QB, D)``: start from every
+    node of ``start_level``; at each level score the children of the kept nodes by the best
+    score any query of the block gives them and keep the ``beam`` best (+1 when causal, for the
+    node that straddles the sealed end, always opened); the leaves of the nodes kept at
+    ``final_level``. Returns the first slot of each candidate leaf ``(B, H, nb, L)`` and whether
+    it may be chosen. Causal: ``sealed`` ``(nb,)``, only nodes of sealed chunks count."""
+    B, H, nb = q.shape[:3]
+    dev = q.device
+    keep = p.beam + (sealed is not None)
+    node = torch.arange(1 << p.start_level, 2 << p.start_level, device=dev).expand(B, H, nb, -1)
+    score = torch.zeros(node.shape, dtype=q.dtype, device=dev)
+    for level in range(p.start_level + 1, p.final_level + 1):
+        child = torch.stack([2 * node, 2 * node + 1], -1).flatten(-2)
+        alive = (score > -math.inf).repeat_interleave(2, -1)
+        s = _block_scores(q, index, child, p, scale)
+        s = s.masked_fill(~alive, -math.inf)
+        allowed = _allowed(child, level, sealed, p)
+        if allowed is not None:
+            inside, straddles = allowed
+            s = s.masked_fill(~inside, -math.inf).masked_fill(straddles & alive, math.inf)
+        score, pick = largest(s, min(keep, s.shape[-1]))
+        node = child.gather(-1, pick)
+    per_node = 1 << (p.depth - p.final_level)
+    first = (node - (1 << p.final_level)) * (per_node * p.block_size)  # first slot of each node
+    leaf = (first.unsqueeze(-1) + torch.arange(0, per_node * p.block_size, p.block_size, device=dev)).flatten(-2)
+    ok = (score > -math.inf).repeat_interleave(per_node, -1)
+    if sealed is not None:  # one stage: the root's leaves, only those of sealed chunks
+        ok = ok & ((leaf // p.chunk_size + 1) * p.chunk_size <= sealed.view(-1, 1))
+    return leaf, ok
+
+
+def _block_scores(q: Tensor, index: KeyIndex, node: Tensor, p: HybridPlan, scale: float) -> Tensor:
+    """The best score any query of each block gives each of its nodes ``node`` ``(B, H, nb, K)``,
+    a chunk of blocks at a time (bounded memory)."""
+    B, H, nb, QB, D = q.shape
+    K = node.shape[-1]
+    step = max(1, _options.CHUNK_BYTES // (B * H * QB * K * 2 * q.element_size()))
+    out = []
+    for b0 in range(0, nb, step):
+        nd = node[:, :, b0: b0 + step]
+        count = index.count.gather(2, nd.flatten(2)).view(nd.shape)
+        mean = _node_rows(index.mean, nd)
+        principal = _node_rows(index.principal, nd)
+        out.append(node_scores(q[:, :, b0: b0 + step], count, mean, principal, p.scoring, scale).amax(-2))
+    return torch.cat(out, 2)
+
+
+def _node_rows(x: Tensor, node: Tensor) -> Tensor:
+    B, H, nb, K = node.shape
+    return x.gather(2, node.flatten(2).unsqueeze(-1).expand(B, H, nb * K, x.shape[-1])).view(B, H, nb, K, -1)
+
+
+def leaf_scores(x: Tensor, allowed: Tensor, block_size: int, scoring: str) -> Tensor:
+    """Scores of candidate leaves from their keys' logits: x ``(..., Q, block_size * L)``, ``s
+    q.k`` of the ``L`` leaves' keys slot-major (column ``t * L + l``: key ``t`` of leaf ``l``);
+    allowed ``(..., Q, block_size * L)``: which keys the query may select. Over the allowed keys
+    of each leaf: their mean logit (``mean``), plus ``log n`` and half their variance
+    (``second_order``); -inf for a leaf with none. -> ``(..., Q, L)``. In that layout the sums
+    over a leaf are passes over whole planes (a reduction over the few keys of each leaf is
+    several times slower on CPU)."""
+    w = allowed.to(x.dtype).unflatten(-1, (block_size, -1))
+    xw = (x.unflatten(-1, (block_size, -1)) * w)
+    n = w.sum(-2)
+    nc = n.clamp_min(1)
+    score = xw.sum(-2) / nc
+    if scoring == "second_order":
+        var = ((xw * xw).sum(-2) / nc - score.square()).clamp_min_(0)
+        score = score + nc.log() + 0.5 * var
+    return score.masked_fill(n == 0, -math.inf)
