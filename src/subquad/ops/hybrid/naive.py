@@ -105,19 +105,25 @@ def _candidates(qs: list[Tensor], stats, nodes, sealed: int | None, p: HybridPla
 
     frontier = [(0.0, j) for j in range(1 << p.start_level)]
     for level in range(p.start_level + 1, p.final_level + 1):
-        scored = []
+        children, usable, forced = [], {}, set()
         for parent_score, parent in frontier:
             for j in (2 * parent, 2 * parent + 1):
-                s = max(_node_score(qv, stats[level, j], p.scoring, scale) for qv in qs)
-                if parent_score == -math.inf:
-                    s = -math.inf
-                elif sealed is not None:
-                    start, end = extent(level, j)
-                    if end > sealed:
-                        s = math.inf if level < p.chunk_level and start < sealed else -math.inf
-                scored.append((s, j))
-        keep = p.beam + (sealed is not None)
-        frontier = sorted(scored, key=lambda t: -t[0])[:keep]
+                children.append(j)
+                alive = parent_score > -math.inf
+                start, end = extent(level, j)
+                inside = sealed is None or end <= sealed
+                usable[j] = alive and inside
+                if alive and not inside and level < p.chunk_level and start < sealed:
+                    forced.add(j)
+        best = {j: -math.inf for j in children}
+        for qv in qs:  # each query's scores relative to their log-sum-exp over the children
+            s = {j: _node_score(qv, stats[level, j], p.scoring, scale) if usable[j] else -math.inf for j in children}
+            finite = [x for x in s.values() if x > -math.inf]
+            lse = math.log(sum(math.exp(x - max(finite)) for x in finite)) + max(finite) if finite else 0.0
+            for j in children:
+                best[j] = max(best[j], s[j] - lse)
+        scored = [(math.inf if j in forced else best[j], j) for j in children]
+        frontier = sorted(scored, key=lambda t: -t[0])[: p.beam + (sealed is not None)]
     per_node = 1 << (p.depth - p.final_level)
     leaves = [(j * per_node + t) for s, j in frontier if s > -math.inf for t in range(per_node)]
     if sealed is not None:

@@ -15,11 +15,11 @@ import math
 import torch
 from torch import Tensor
 
-from .index import KeyIndex, largest
+from .index import KeyIndex, largest, rows
 from . import options as _options
 from .options import HybridPlan
 
-__all__ = ["sealed_ends", "descend", "node_scores", "leaf_scores"]
+__all__ = ["sealed_ends", "descend", "node_vectors", "leaf_scores"]
 
 
 def sealed_ends(lo_first: Tensor, p: HybridPlan) -> Tensor:
@@ -29,16 +29,6 @@ def sealed_ends(lo_first: Tensor, p: HybridPlan) -> Tensor:
     window are its recent keys, candidates in leaves by position."""
     C = p.chunk_size
     return (lo_first.clamp_min(0) // C - 1).clamp_min(0) * C
-
-
-def node_scores(q: Tensor, count: Tensor, mean: Tensor, principal: Tensor, scoring: str, scale: float) -> Tensor:
-    """Scores of nodes for queries: q ``(..., Q, D)``, count ``(..., G)``, mean, principal
-    ``(..., G, D)`` -> ``(..., Q, G)``; -inf for a node without keys."""
-    score = (q @ mean.transpose(-2, -1)) * scale
-    if scoring == "second_order":
-        var = (q @ principal.transpose(-2, -1)).square_()
-        score = score + count.clamp_min(1).log().unsqueeze(-2) + (0.5 * scale * scale) * var
-    return score.masked_fill((count == 0).unsqueeze(-2), -math.inf)
 
 
 def _allowed(node: Tensor, level: int, sealed: Tensor | None, p: HybridPlan) -> tuple[Tensor, Tensor] | None:
@@ -62,24 +52,24 @@ def _allowed(node: Tensor, level: int, sealed: Tensor | None, p: HybridPlan) -> 
 def descend(q: Tensor, index: KeyIndex, sealed: Tensor | None, p: HybridPlan, scale: float) -> tuple[Tensor, Tensor]:
     """The candidate leaves of each block of queries ``q`` ``(B, H, nb, QB, D)``: start from every
     node of ``start_level``; at each level score the children of the kept nodes by the best
-    score any query of the block gives them and keep the ``beam`` best (+1 when causal, for the
+    relative score any query of the block gives them (:func:`_block_scores`) and keep the ``beam`` best (+1 when causal, for the
     node that straddles the sealed end, always opened); the leaves of the nodes kept at
     ``final_level``. Returns the first slot of each candidate leaf ``(B, H, nb, L)`` and whether
     it may be chosen. Causal: ``sealed`` ``(nb,)``, only nodes of sealed chunks count."""
     B, H, nb = q.shape[:3]
     dev = q.device
     keep = p.beam + (sealed is not None)
+    vecs = node_vectors(index, p.scoring, scale) if p.final_level > p.start_level else None
     node = torch.arange(1 << p.start_level, 2 << p.start_level, device=dev).expand(B, H, nb, -1)
     score = torch.zeros(node.shape, dtype=q.dtype, device=dev)
     for level in range(p.start_level + 1, p.final_level + 1):
         child = torch.stack([2 * node, 2 * node + 1], -1).flatten(-2)
         alive = (score > -math.inf).repeat_interleave(2, -1)
-        s = _block_scores(q, index, child, p, scale)
-        s = s.masked_fill(~alive, -math.inf)
         allowed = _allowed(child, level, sealed, p)
+        usable = alive if allowed is None else alive & allowed[0]
+        s = _block_scores(q, index, vecs, child, usable, p)
         if allowed is not None:
-            inside, straddles = allowed
-            s = s.masked_fill(~inside, -math.inf).masked_fill(straddles & alive, math.inf)
+            s = s.masked_fill(allowed[1] & alive, math.inf)
         score, pick = largest(s, min(keep, s.shape[-1]))
         node = child.gather(-1, pick)
     per_node = 1 << (p.depth - p.final_level)
@@ -91,25 +81,36 @@ def descend(q: Tensor, index: KeyIndex, sealed: Tensor | None, p: HybridPlan, sc
     return leaf, ok
 
 
-def _block_scores(q: Tensor, index: KeyIndex, node: Tensor, p: HybridPlan, scale: float) -> Tensor:
+def node_vectors(index: KeyIndex, scoring: str, scale: float) -> Tensor:
+    """What a node is scored by, ``(B, H, heap, r * D)``: ``s mean`` and (``second_order``)
+    ``s principal / sqrt(2)``, so that a node's score is ``q.a + (q.b)^2 + log n``."""
+    if scoring != "second_order":
+        return index.mean * scale
+    return torch.cat([index.mean * scale, index.principal * (scale / math.sqrt(2))], -1)
+
+
+def _block_scores(q: Tensor, index: KeyIndex, vecs: Tensor, node: Tensor, usable: Tensor, p: HybridPlan) -> Tensor:
     """The best score any query of each block gives each of its nodes ``node`` ``(B, H, nb, K)``,
-    a chunk of blocks at a time (bounded memory)."""
+    each query's scores taken relative to their log-sum-exp over the nodes (so that no query
+    whose logits are large everywhere fills the beam alone); -inf where not ``usable`` or without
+    keys. A chunk of blocks at a time (bounded memory)."""
     B, H, nb, QB, D = q.shape
     K = node.shape[-1]
-    step = max(1, _options.CHUNK_BYTES // (B * H * QB * K * 2 * q.element_size()))
+    r = vecs.shape[-1] // D
+    count = index.count.gather(2, node.flatten(2)).view(node.shape)
+    base = count.clamp_min(1).log() if p.scoring == "second_order" else torch.zeros_like(count)
+    base = base.masked_fill(~usable | (count == 0), -math.inf).unsqueeze(-2)
+    step = max(1, _options.CHUNK_BYTES // (B * H * QB * K * r * q.element_size()))
     out = []
     for b0 in range(0, nb, step):
         nd = node[:, :, b0: b0 + step]
-        count = index.count.gather(2, nd.flatten(2)).view(nd.shape)
-        mean = _node_rows(index.mean, nd)
-        principal = _node_rows(index.principal, nd)
-        out.append(node_scores(q[:, :, b0: b0 + step], count, mean, principal, p.scoring, scale).amax(-2))
+        v = rows(vecs, nd).view(B, H, nd.shape[2], K * r, D)  # rows: node 0's vectors, node 1's, ...
+        proj = (q[:, :, b0: b0 + step] @ v.mT).unflatten(-1, (K, r))
+        score = proj[..., 0] if r == 1 else proj[..., 1].square().add_(proj[..., 0])
+        score = score.add_(base[:, :, b0: b0 + step])
+        score = score - score.logsumexp(-1, keepdim=True).nan_to_num(neginf=0.0)
+        out.append(score.amax(-2))
     return torch.cat(out, 2)
-
-
-def _node_rows(x: Tensor, node: Tensor) -> Tensor:
-    B, H, nb, K = node.shape
-    return x.gather(2, node.flatten(2).unsqueeze(-1).expand(B, H, nb * K, x.shape[-1])).view(B, H, nb, K, -1)
 
 
 def leaf_scores(x: Tensor, allowed: Tensor, block_size: int, scoring: str) -> Tensor:
