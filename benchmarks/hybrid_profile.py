@@ -6,9 +6,10 @@
 Three measurements, B=1, D=64, float32, i.i.d. N(0, 1) inputs, default options, no grad:
 
 1. **Stages** of one head on one thread (the unit the CPU path runs per worker thread): the
-   inclusive wall time of each stage function of :mod:`subquad.ops.hybrid` (wrapped with a
-   timer), median over ``--rounds`` calls. Nested stages are indented; a parent's time includes
-   its children's (``_largest``, the top-k, counts the selections of both stages).
+   time of each stage the op names for ``torch.profiler`` (``hybrid.index``: the key tree;
+   ``hybrid.descend``: the descent; ``hybrid.summaries``; ``hybrid.attend``: per run of query
+   blocks, the gathers, logits, leaf scores, top-k and softmax), median over ``--rounds``
+   profiled calls, with the whole call's time unprofiled.
 2. **Kernels** of the same call from ``torch.profiler``: the self time of the matrix products
    (``aten::bmm``, ``aten::mm``) against every op's, i.e. how much of the call is arithmetic the
    method must do and how much is selection, layout and elementwise work around it.
@@ -19,7 +20,6 @@ Three measurements, B=1, D=64, float32, i.i.d. N(0, 1) inputs, default options, 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import platform
 import statistics
@@ -31,12 +31,9 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import subquad
-import subquad.ops.hybrid as hybrid
 
-# (function name in subquad.ops.hybrid, depth in the call tree)
-STAGES = [("build_groups", 0), ("_principal_projection", 1), ("_halves", 1), ("_candidate_nodes", 0),
-          ("group_vectors", 1), ("group_scores", 1), ("_summaries", 0), ("_attend", 0), ("_exact_columns", 1),
-          ("_leaf_scores", 2), ("_largest", 2), ("_combine", 1)]
+#: the stages hybrid names with torch.profiler.record_function
+STAGES = ["hybrid.index", "hybrid.descend", "hybrid.summaries", "hybrid.attend"]
 
 
 def _inputs(heads: int, n: int):
@@ -50,38 +47,22 @@ def _call(q, k, v):
 
 
 def stages(n: int, rounds: int) -> dict:
-    """Inclusive seconds per stage (median over rounds) and of the whole call, one head, one thread."""
-    spent: dict[str, float] = {}
-    originals = {name: getattr(hybrid, name) for name, _ in STAGES}
-
-    def timed(name, fn):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
-        return wrapper
-
+    """Seconds per stage (median over profiled rounds) and of the whole call (unprofiled), one
+    head, one thread."""
     q, k, v = _inputs(1, n)
     per_round, totals = [], []
     torch.set_num_threads(1)
-    try:
-        for name, fn in originals.items():
-            setattr(hybrid, name, timed(name, fn))
+    _call(q, k, v)
+    for _ in range(rounds):
+        start = time.perf_counter()
         _call(q, k, v)
-        for _ in range(rounds):
-            spent.clear()
-            start = time.perf_counter()
+        totals.append(time.perf_counter() - start)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
             _call(q, k, v)
-            totals.append(time.perf_counter() - start)
-            per_round.append(dict(spent))
-    finally:
-        for name, fn in originals.items():
-            setattr(hybrid, name, fn)
+        events = {e.key: e.cpu_time_total * 1e-6 for e in prof.key_averages() if e.key in STAGES}
+        per_round.append(events)
     return {"total_s": statistics.median(totals),
-            "stages_s": {name: statistics.median(r.get(name, 0.0) for r in per_round) for name, _ in STAGES}}
+            "stages_s": {name: statistics.median(r.get(name, 0.0) for r in per_round) for name in STAGES}}
 
 
 def kernels(n: int) -> dict:
@@ -125,14 +106,14 @@ def markdown(res: dict, meta: dict) -> str:
         "",
         f"## Stages of one head on one thread ({1e3 * st['total_s']:.1f} ms per call)",
         "",
-        "A parent's time includes its children's; `_largest` (top-k) counts both selection stages.",
+        "Stage times are from torch.profiler (its overhead included), the call's without it.",
         "",
         "| stage | ms | share of the call |",
         "|---|---|---|",
     ]
-    for name, depth in STAGES:
+    for name in STAGES:
         s = st["stages_s"][name]
-        lines.append(f"| {'&nbsp;&nbsp;' * 2 * depth}`{name}` | {1e3 * s:.1f} | {100 * s / st['total_s']:.0f}% |")
+        lines.append(f"| `{name}` | {1e3 * s:.1f} | {100 * s / st['total_s']:.0f}% |")
     kr = res["kernels"]
     th = res["threads"]
     lines += [

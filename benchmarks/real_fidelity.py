@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ from pathlib import Path
 import torch
 
 import subquad
-from subquad.bench.common import machine_info, md_table
+from subquad.bench.common import machine_info, md_table, source_state
 from subquad.bench.fidelity import exact_reference, relative_error
 from subquad.bench.minilm import MAX_TOKENS, MODEL_NAME, capture_qkv, load_minilm
 from subquad.hf.texts import stdlib_paragraphs
@@ -55,15 +54,14 @@ HYBRID_ROW = "hybrid (budget = B; defaults: grouping=tree, scoring=second_order)
 #: hybrid rows: (label, options besides the budget)
 HYBRID_VARIANTS = [
     (HYBRID_ROW, {}),
-    ("hybrid (scoring=bounds)", {"scoring": "bounds"}),
     ("hybrid (scoring=mean)", {"scoring": "mean"}),
     ("hybrid (grouping=contiguous; scoring=second_order)", {"grouping": "contiguous"}),
-    ("hybrid (grouping=contiguous, scoring=bounds)", {"grouping": "contiguous", "scoring": "bounds"}),
-    ("hybrid (query_group=32: one selection per 32 queries)", {"query_group": 32}),
-    # two-stage selection, as at long N: 128 leaves in 8 nodes of 16; each block of 64 queries
-    # scores the leaves of its best 4 (2) nodes only
-    ("hybrid (candidates=64: two-stage selection, 64 of 128 leaves)", {"candidates": 64}),
-    ("hybrid (candidates=32: two-stage selection, 32 of 128 leaves)", {"candidates": 32}),
+    ("hybrid (grouping=contiguous, scoring=mean)", {"grouping": "contiguous", "scoring": "mean"}),
+    # the beam descent, as at long N: each block of 64 queries scores the leaves that a descent
+    # of the tree keeping `beam` nodes per level ends on, not all 128
+    ("hybrid (candidates=64: descent to 64 of 128 leaves, beam 32)", {"candidates": 64}),
+    ("hybrid (candidates=32: descent to 32 of 128 leaves, beam 32)", {"candidates": 32}),
+    ("hybrid (candidates=32, beam=8: descent to 32 of 128 leaves, beam 8)", {"candidates": 32, "beam": 8}),
 ]
 
 
@@ -157,16 +155,6 @@ def measure(cap: dict, layers: int, budgets: tuple[int, ...]) -> dict[str, dict[
     return errors
 
 
-def source_state() -> str:
-    """The commit measured, and the files under src/ that differ from it (the numbers are of the
-    working tree)."""
-    def git(*args):
-        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent).stdout
-    head = git("rev-parse", "--short", "HEAD").strip() or "unknown"
-    dirty = [line[3:] for line in git("status", "--porcelain", "--", "../src").splitlines()]
-    return f"commit {head}" + (f" with uncommitted changes to {', '.join(dirty)}" if dirty else "")
-
-
 def hybrid_splits(budgets, n_keys: int) -> list[str]:
     out = []
     for b in budgets:
@@ -245,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_LAYERS} layers, budgets {QUICK_BUDGETS}")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    source = source_state()
+    source = source_state(Path(__file__).parent)
     tokenizer, model = load_minilm()
     text, paragraphs = stdlib_text(tokenizer)
     cap = capture_qkv(text, tokenizer, model)

@@ -71,6 +71,9 @@ class MethodInfo:
     test_options: TestOptions | None = dataclasses.field(default=None, repr=False, compare=False)
     #: options under which a stochastic method samples (for the test that seeds matter)
     sampling_options: dict[str, Any] | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: False when the op, given a ``key_padding_mask``, takes shapes from the mask's values (so
+    #: ``torch.compile(fullgraph=True)`` cannot trace it; with graph breaks allowed it compiles)
+    fullgraph_with_padding: bool = dataclasses.field(default=True, compare=False)
     # the options' field names, read once here: torch.compile cannot trace dataclasses.fields()
     option_names: tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
@@ -145,6 +148,7 @@ def register_method(
     peer: str | None = None,
     test_options: TestOptions | None = None,
     sampling_options: dict[str, Any] | None = None,
+    fullgraph_with_padding: bool = True,
 ) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
     """Decorator: register ``impl(q, k, v, key_padding_mask, causal, scale, **options)``
     under ``name`` and return the checked public op. ``impl`` gets ``scale=None`` when the
@@ -203,7 +207,8 @@ def register_method(
         info = _add(name, complexity, summary=summary, causal=causal, key_padding=key_padding,
                     cross_attention=cross_attention, stochastic=stochastic,
                     learned_parameters=learned_parameters, options=options, op=op, core=core, flops=flops,
-                    peer=peer, test_options=test_options, sampling_options=sampling_options)
+                    peer=peer, test_options=test_options, sampling_options=sampling_options,
+                    fullgraph_with_padding=fullgraph_with_padding)
         return op
 
     return decorator

@@ -10,6 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.profiler import record_function
 
 from . import options as _options
 from .index import KeyIndex, build_index, largest, rows
@@ -20,20 +21,22 @@ from .summaries import causal_group_size, causal_summaries, combine, tree_summar
 __all__ = ["window_starts", "hybrid_core", "runs"]
 
 
-def window_starts(N: int, M: int, valid: Tensor | None, w: int, causal: bool, device) -> Tensor:
-    """First key rank of each query's window ``(N,)``; ranks count the real keys (padding
-    removed). Causal: the window is the ``w`` real keys up to the query's position (the start
-    may be negative); else the ``w`` real keys around the position ``(2 i + 1) M / 2 N``, kept
-    inside ``[0, real keys)``. Never decreases with the query."""
-    i = torch.arange(N, device=device)
-    before = None if valid is None else F.pad(valid.long().cumsum(0), (1, 0))  # real keys before each position
+def window_starts(N: int, M: int, valid: Tensor | None, w: int, causal: bool) -> list[int]:
+    """First key rank of each query's window (plain integers, so that ``torch.compile`` sees fixed
+    sizes); ranks count the real keys (padding removed). Causal: the window is the ``w`` real
+    keys up to the query's position (the start may be negative); else the ``w`` real keys around
+    the position ``(2 i + 1) M / 2 N``, kept inside ``[0, real keys)``. Never decreases with the
+    query. ``valid`` ``(M,)``: the real key positions (None: all)."""
+    if valid is None:
+        if causal:
+            return [min(i + 1, M) - w for i in range(N)]
+        return [min(max((2 * i + 1) * M // (2 * N) - w // 2, 0), max(M - w, 0)) for i in range(N)]
+    i = torch.arange(N, device=valid.device)
+    before = F.pad(valid.long().cumsum(0), (1, 0))  # real keys before each position
     if causal:
-        upto = (i + 1).clamp_max(M) if valid is None else before[(i + 1).clamp_max(M)]
-        return upto - w
-    Mv = M if valid is None else int(before[-1])
-    center = (2 * i + 1) * M // (2 * N)
-    rank = center if valid is None else before[center]
-    return (rank - w // 2).clamp(0, max(Mv - w, 0))
+        return (before[(i + 1).clamp_max(M)] - w).tolist()
+    rank = before[(2 * i + 1) * M // (2 * N)]
+    return (rank - w // 2).clamp(0, max(int(before[-1]) - w, 0)).tolist()
 
 
 class _Scratch:
@@ -82,41 +85,45 @@ def runs(lo: list[int], sealed: list[int] | None, p: HybridPlan, qb: int, cand_k
             for b in range(0, nb, step)]
 
 
-def hybrid_core(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, causal: bool, scale: float, p: HybridPlan) -> Tensor:
+def hybrid_core(q: Tensor, k: Tensor, v: Tensor, lo: list[int], causal: bool, scale: float, p: HybridPlan) -> Tensor:
     """Hybrid attention of queries ``q`` ``(B, H, N, D)`` over real keys ``k``, ``v`` ``(B, H, M, .)``
-    in rank order, the window of query ``i`` starting at rank ``lo[i]`` (:func:`window_starts`)."""
+    in rank order, the window of query ``i`` starting at rank ``lo[i]`` (:func:`window_starts`).
+    Its stages are named for ``torch.profiler`` (``hybrid.index``, ``hybrid.descend``,
+    ``hybrid.summaries``, ``hybrid.attend``; ``benchmarks/hybrid_profile.py``)."""
     B, H, N, D = q.shape
     M = k.shape[2]
     qb = _options.QUERY_BLOCK
     nq = -(-N // qb) * qb
-    with torch.no_grad():
+    with torch.no_grad(), record_function("hybrid.index"):
         index = build_index(k.detach(), p)
         order = index.order.clamp_max(M - 1)
-    ko, vo = rows(k, order) * index.slot_valid.unsqueeze(-1).to(k.dtype), rows(v, order)
-    qp, lop = _extend(q, nq, 2), _extend(lo, nq, 0)
-    lo_list = lop.tolist()
-    sealed = sealed_ends(lop[::qb], p) if causal else None
-    with torch.no_grad():
+    ko, vo = rows(k, order), rows(v, order)  # empty slots repeat the last key: masked wherever used
+    lo_list = lo + lo[-1:] * (nq - N)
+    qp, lop = _extend(q, nq, 2), torch.tensor(lo_list, device=q.device)
+    sealed_list = [sealed_ends(x, p) for x in lo_list[::qb]] if causal else None
+    sealed = None if sealed_list is None else torch.tensor(sealed_list, device=q.device)
+    with torch.no_grad(), record_function("hybrid.descend"):
         leaf, leaf_ok = descend(_descent_queries(qp.detach(), qb, causal), index, sealed, p, scale)
         if causal:
             group_of = None
         else:  # the coarse group of every key rank: invert the slot order
             slot_group = (torch.arange(p.slots, device=q.device) // (p.slots // p.num_summaries)).expand_as(index.order)
             group_of = torch.empty_like(index.order).scatter_(2, index.order, slot_group)[..., :M]
-    if causal:
-        summaries = causal_summaries(qp, k, v, lop, p.num_summaries, p.block_size, scale)
-    else:
-        summaries = tree_summaries(qp, ko, vo, index.slot_valid, p.num_summaries, scale)
+    with record_function("hybrid.summaries"):
+        if causal:
+            summaries = causal_summaries(qp, k, v, lop, p.num_summaries, p.block_size, scale)
+        else:
+            summaries = tree_summaries(qp, ko, vo, index.slot_valid, p.num_summaries, scale)
     keys, values = torch.cat([k, ko], 2), torch.cat([v, vo], 2)
     tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     scratch = _Scratch(not torch.compiler.is_compiling() and not tracked)
     row_bytes = (D + v.shape[-1]) * q.element_size()
     outs = []
-    for blocks, U, R in runs(lo_list, None if sealed is None else sealed.tolist(), p, qb, leaf.shape[-1] * p.block_size,
-                             row_bytes):
+    for blocks, U, R in runs(lo_list, sealed_list, p, qb, leaf.shape[-1] * p.block_size, row_bytes):
         ctx = (p, scale, causal, index, group_of, summaries, scratch)
-        outs.append(_attend(ctx, qp, lop, keys, values, leaf[:, :, blocks], leaf_ok[:, :, blocks],
-                            None if sealed is None else sealed[blocks], blocks, U, R))
+        with record_function("hybrid.attend"):
+            outs.append(_attend(ctx, qp, lop, keys, values, leaf[:, :, blocks], leaf_ok[:, :, blocks],
+                                None if sealed is None else sealed[blocks], blocks, U, R))
     return torch.cat(outs, 2)[:, :, :N]
 
 

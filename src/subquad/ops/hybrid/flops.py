@@ -35,7 +35,7 @@ def flops(B, H, N, M, D, Dv, o) -> int:
         total += per_score * 2 * nq * 2 * K * D
         K = min(p.beam, 2 * K)
     L = K << (p.depth - p.final_level)
-    lo = window_starts(N, M, None, p.window, False, "cpu").tolist()
+    lo = window_starts(N, M, None, p.window, False)
     lo += lo[-1:] * (nq - N)
     for blocks, U, _ in runs(lo, None, p, qb, L * p.block_size, (D + Dv) * 4):
         total += 2 * (blocks.stop - blocks.start) * qb * (U + p.block_size * L) * (D + Dv)

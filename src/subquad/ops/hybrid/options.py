@@ -29,7 +29,8 @@ class HybridOptions:
     ``"contiguous"`` (by position); ``scoring``: ``"second_order"`` or ``"mean"``;
     ``candidates``: leaves each block of queries scores exactly (all of them when there are at
     most this many), found by a beam descent of the key tree keeping ``beam`` nodes per level;
-    ``chunk_size``: keys per sealed chunk in causal mode (a power of two); ``tree_iterations``: power-iteration steps per node."""
+    ``chunk_size``: keys per sealed chunk in causal mode (a power of two); ``tree_iterations``:
+    power-iteration steps per node."""
 
     budget: int = 64
     window: int | None = None

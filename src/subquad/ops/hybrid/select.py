@@ -22,13 +22,12 @@ from .options import HybridPlan
 __all__ = ["sealed_ends", "descend", "node_vectors", "leaf_scores"]
 
 
-def sealed_ends(lo_first: Tensor, p: HybridPlan) -> Tensor:
+def sealed_ends(lo_first: int, p: HybridPlan) -> int:
     """Causal: the keys (ranks ``[0, end)``) whose sealed chunks a block whose first query's
-    window starts at ``lo_first`` ``(nb,)`` searches through the tree: the chunks before the
-    one before the chunk holding that window start. The keys after them and before each query's
-    window are its recent keys, candidates in leaves by position."""
-    C = p.chunk_size
-    return (lo_first.clamp_min(0) // C - 1).clamp_min(0) * C
+    window starts at ``lo_first`` searches through the tree: the chunks before the one before
+    the chunk holding that window start. The keys after them and before each query's window are
+    its recent keys, candidates in leaves by position."""
+    return max(max(lo_first, 0) // p.chunk_size - 1, 0) * p.chunk_size
 
 
 def _allowed(node: Tensor, level: int, sealed: Tensor | None, p: HybridPlan) -> tuple[Tensor, Tensor] | None:
@@ -52,8 +51,9 @@ def _allowed(node: Tensor, level: int, sealed: Tensor | None, p: HybridPlan) -> 
 def descend(q: Tensor, index: KeyIndex, sealed: Tensor | None, p: HybridPlan, scale: float) -> tuple[Tensor, Tensor]:
     """The candidate leaves of each block of queries ``q`` ``(B, H, nb, QB, D)``: start from every
     node of ``start_level``; at each level score the children of the kept nodes by the best
-    relative score any query of the block gives them (:func:`_block_scores`) and keep the ``beam`` best (+1 when causal, for the
-    node that straddles the sealed end, always opened); the leaves of the nodes kept at
+    relative score any query of the block gives them (:func:`_block_scores`) and keep the
+    ``beam`` best (+1 when causal, for the node that straddles the sealed end, always opened);
+    the leaves of the nodes kept at
     ``final_level``. Returns the first slot of each candidate leaf ``(B, H, nb, L)`` and whether
     it may be chosen. Causal: ``sealed`` ``(nb,)``, only nodes of sealed chunks count."""
     B, H, nb = q.shape[:3]
