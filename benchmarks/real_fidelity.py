@@ -49,13 +49,13 @@ QUICK_BUDGETS = (32, 64)
 QUICK_LAYERS = 2
 SEED = 0
 SVD_ROW = "rank-r limit (SVD of exact attention, r = budget)"
-HYBRID_ROW = "hybrid (budget = B; defaults: grouping=tree, scoring=second_order)"
+HYBRID_ROW = "hybrid (budget = B; defaults: grouping=tree, scoring=mass)"
 
 #: hybrid rows: (label, options besides the budget)
 HYBRID_VARIANTS = [
     (HYBRID_ROW, {}),
     ("hybrid (scoring=mean)", {"scoring": "mean"}),
-    ("hybrid (grouping=contiguous; scoring=second_order)", {"grouping": "contiguous"}),
+    ("hybrid (grouping=contiguous; scoring=mass)", {"grouping": "contiguous"}),
     ("hybrid (grouping=contiguous, scoring=mean)", {"grouping": "contiguous", "scoring": "mean"}),
     # the beam descent, as at long N: each block of 64 queries scores the leaves that a descent
     # of the tree keeping `beam` nodes per level ends on, not all 128

@@ -20,23 +20,23 @@ SMALL = dict(budget=12, block_size=2, window=3, num_selected=2, num_summaries=2)
 
 CASES = [
     # (N, M, causal, grouping, scoring, candidates, beam, chunk_size)
-    (13, 13, False, "tree", "second_order", 256, 32, 128),
+    (13, 13, False, "tree", "mass", 256, 32, 128),
     (13, 13, False, "contiguous", "mean", 256, 32, 128),
     (13, 17, False, "tree", "mean", 256, 32, 128),
-    (16, 16, True, "contiguous", "second_order", 256, 32, 128),
+    (16, 16, True, "contiguous", "mass", 256, 32, 128),
     (11, 11, True, "tree", "mean", 8, 4, 4),
-    (9, 23, False, "contiguous", "second_order", 256, 32, 128),
+    (9, 23, False, "contiguous", "mass", 256, 32, 128),
     # the beam descent: more leaves than candidates
-    (29, 29, False, "tree", "second_order", 4, 2, 8),
-    (30, 30, True, "tree", "second_order", 4, 2, 8),
-    (29, 37, False, "contiguous", "second_order", 4, 4, 8),
+    (29, 29, False, "tree", "mass", 4, 2, 8),
+    (30, 30, True, "tree", "mass", 4, 2, 8),
+    (29, 37, False, "contiguous", "mass", 4, 4, 8),
     (21, 40, False, "tree", "mean", 2, 2, 4),
     (33, 33, True, "contiguous", "mean", 2, 1, 4),
-    (40, 40, False, "tree", "second_order", 8, 2, 8),
-    (60, 60, True, "tree", "second_order", 8, 4, 4),
-    (37, 45, False, "contiguous", "second_order", 8, 2, 8),
+    (40, 40, False, "tree", "mass", 8, 2, 8),
+    (60, 60, True, "tree", "mass", 8, 4, 4),
+    (37, 45, False, "contiguous", "mass", 8, 2, 8),
     (45, 45, True, "tree", "mean", 8, 4, 8),
-    (50, 50, True, "tree", "second_order", 16, 2, 4),  # final nodes larger than a chunk
+    (50, 50, True, "tree", "mass", 16, 2, 4),  # final nodes larger than a chunk
 ]
 
 
@@ -306,8 +306,8 @@ def test_causal_tree_never_mixes_chunks():
 
 @pytest.mark.parametrize("opts", [
     dict(budget=16, block_size=2, scoring="mean", grouping="contiguous"),
-    dict(budget=16, block_size=8, scoring="second_order"),
-    dict(budget=16, block_size=2, candidates=4, beam=2, scoring="second_order"),
+    dict(budget=16, block_size=8, scoring="mass"),
+    dict(budget=16, block_size=2, candidates=4, beam=2, scoring="mass"),
     dict(budget=16, block_size=4, candidates=8, beam=2, scoring="mean", grouping="contiguous"),
 ], ids=["mean-contiguous", "blocks8", "descent", "descent-mean"])
 def test_flop_formula_matches_counted(opts):

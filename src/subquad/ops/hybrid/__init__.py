@@ -79,7 +79,7 @@ __all__ = ["HybridOptions", "HybridPlan", "hybrid_attention", "plan", "flops"]
     fullgraph_with_padding=False,  # padding is removed first: shapes from the mask
 )
 def hybrid_attention(q, k, v, key_padding_mask, causal, scale, *, budget, window, block_size, num_selected,
-                     num_summaries, grouping, scoring, candidates, beam, chunk_size, tree_iterations):
+                     num_summaries, grouping, scoring, candidates, beam, chunk_size, sinks, tree_iterations):
     """Hybrid attention (see the module docstring).
 
     Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
@@ -89,7 +89,7 @@ def hybrid_attention(q, k, v, key_padding_mask, causal, scale, *, budget, window
     if scale is None:
         scale = q.shape[-1] ** -0.5
     o = HybridOptions(budget, window, block_size, num_selected, num_summaries, grouping, scoring, candidates, beam,
-                      chunk_size, tree_iterations)
+                      chunk_size, sinks, tree_iterations)
     if budget >= k.shape[2]:
         return softmax_attention(q, k, v, key_padding_mask=key_padding_mask, causal=causal, scale=scale)
     dtype = compute_dtype(q.dtype)

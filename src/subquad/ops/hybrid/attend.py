@@ -142,21 +142,28 @@ def _descent_queries(q: Tensor, qb: int, causal: bool) -> Tensor:
 def _candidates(index: KeyIndex, M: int, leaf: Tensor, leaf_ok: Tensor, sealed: Tensor | None, R: int,
                 p: HybridPlan):
     """Rows (into ``[keys by rank; keys by slot]``), ranks and validity of a run's candidate keys
-    ``(B, H, nb, bs, L)``, slot-major: the recent leaves (ranks from ``sealed``, causal) then the
-    tree's candidate leaves."""
-    bs = p.block_size
-    t = torch.arange(bs, device=leaf.device)
+    ``(B, H, nb, bs, L)``, slot-major: the sink leaves (the first ranks), the recent leaves (ranks
+    from ``sealed``, causal), then the tree's candidate leaves; a sink key is a candidate through
+    its sink leaf only."""
+    bs, dev = p.block_size, leaf.device
+    sink_keys = p.sinks * bs
+    t = torch.arange(bs, device=dev)
     slot = leaf.unsqueeze(-2) + t[:, None]  # (B, H, nb, bs, Lt)
     B, H, nb = leaf.shape[:3]
     flat = slot.flatten(2)
     rank = index.order.gather(2, flat).view(slot.shape)
-    ok = index.slot_valid.gather(2, flat).view(slot.shape) & leaf_ok.unsqueeze(-2)
+    ok = index.slot_valid.gather(2, flat).view(slot.shape) & leaf_ok.unsqueeze(-2) & (rank >= sink_keys)
     row = M + slot
+    by_rank = []
+    if sink_keys:
+        by_rank.append((t[:, None] + torch.arange(0, sink_keys, bs, device=dev)).expand(nb, bs, -1))
     if R:
-        r = sealed.view(-1, 1, 1) + t[:, None] + torch.arange(0, R, bs, device=leaf.device)  # (nb, bs, R / bs)
-        r = r.expand(B, H, *r.shape)
+        by_rank.append(sealed.view(-1, 1, 1) + t[:, None] + torch.arange(0, R, bs, device=dev))  # (nb, bs, R / bs)
+    if by_rank:
+        r = torch.cat(by_rank, -1).expand(B, H, nb, bs, -1)
+        sink = (torch.arange(r.shape[-1], device=dev) < p.sinks).repeat(bs).view(bs, -1)
         row, rank = torch.cat([r.clamp_max(M - 1), row], -1), torch.cat([r, rank], -1)
-        ok = torch.cat([r < M, ok], -1)
+        ok = torch.cat([(r < M) & (sink | (r >= sink_keys)), ok], -1)
     return row, rank, ok
 
 

@@ -30,11 +30,11 @@ def flops(B, H, N, M, D, Dv, o) -> int:
     nq = nb * qb
     total = _tree_flops(p, D)
     K = 1 << p.start_level
-    per_score = 2 if p.scoring == "second_order" else 1  # products with the means, the principal parts
+    per_score = 2 if p.scoring == "mass" else 1  # products with the means, the principal parts
     for _ in range(p.start_level + 1, p.final_level + 1):
         total += per_score * 2 * nq * 2 * K * D
         K = min(p.beam, 2 * K)
-    L = K << (p.depth - p.final_level)
+    L = (K << (p.depth - p.final_level)) + p.sinks  # tree leaves and the sink leaves
     lo = window_starts(N, M, None, p.window, False)
     lo += lo[-1:] * (nq - N)
     for blocks, U, _ in runs(lo, None, p, qb, L * p.block_size, (D + Dv) * 4):

@@ -67,12 +67,14 @@ def halves(proj: Tensor) -> Tensor:
     return torch.from_numpy(np.argpartition(proj.contiguous().numpy(), m // 2 - 1, axis=-1))
 
 
-def node_stats(x: Tensor, valid: Tensor, iterations: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def node_stats(x: Tensor, valid: Tensor, iterations: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Summary of each node of keys ``x`` ``(..., n, D)`` (``valid`` ``(..., n)``): key count
     ``(...)``, mean ``(..., D)``, principal part ``sqrt(lam) u`` ``(..., D)`` (``u`` the top
     principal direction of the centred valid keys by power iteration from the key farthest from
-    the mean, ``lam`` the mean squared projection on it) and the projections ``(..., n)``, +inf
-    at invalid keys. The deviations are never formed: ``(x - mean) u = x u - mean . u``."""
+    the mean, ``lam`` the mean squared projection on it), the spread ``sqrt(2) rho / sqrt(lam)``
+    (``rho`` the largest ``|projection|``; 0 when ``lam`` is 0) ``(...)`` and the projections
+    ``(..., n)``, +inf at invalid keys. The deviations are never formed: ``(x - mean) u = x u -
+    mean . u``."""
     w = valid.to(x.dtype)
     count = w.sum(-1)
     mean = (w.unsqueeze(-2) @ x) / count.clamp_min(1)[..., None, None]  # (..., 1, D)
@@ -92,22 +94,25 @@ def node_stats(x: Tensor, valid: Tensor, iterations: int) -> tuple[Tensor, Tenso
         u = u / u.norm(dim=-1, keepdim=True).clamp_min(1e-30)
     proj = centred(u)
     lam = proj.square().sum(-1, keepdim=True) / count.clamp_min(1).unsqueeze(-1)
-    return count, mean.squeeze(-2), u * lam.sqrt(), proj.masked_fill(~valid, math.inf)
+    root = lam.sqrt()
+    spread = (proj.abs().amax(-1, keepdim=True) * math.sqrt(2) / root.clamp_min(1e-30)).masked_fill(root == 0, 0.0)
+    return count, mean.squeeze(-2), u * root, spread.squeeze(-1), proj.masked_fill(~valid, math.inf)
 
 
 @dataclass
 class KeyIndex:
     """The tree of one call's keys. ``order`` ``(B, H, S)``: the key rank in each slot (``>= M``:
-    an empty slot); ``slot_valid`` ``(B, H, S)``; ``count``, ``mean``, ``principal``: the node
-    summaries in heap layout (node ``j`` of level ``l`` at ``2**l + j``; filled for the levels
-    the descent scores, ``start_level + 1 .. final_level``), ``(B, H, 2**(final_level + 1))``
-    and ``(B, H, 2**(final_level + 1), D)``."""
+    an empty slot); ``slot_valid`` ``(B, H, S)``; ``count``, ``mean``, ``principal``, ``spread``:
+    the node summaries (:func:`node_stats`) in heap layout (node ``j`` of level ``l`` at
+    ``2**l + j``; filled for the levels the descent scores, ``start_level + 1 .. final_level``),
+    ``(B, H, 2**(final_level + 1))`` and ``(B, H, 2**(final_level + 1), D)``."""
 
     order: Tensor
     slot_valid: Tensor
     count: Tensor
     mean: Tensor
     principal: Tensor
+    spread: Tensor
 
 
 def build_index(k: Tensor, p: HybridPlan) -> KeyIndex:
@@ -120,7 +125,7 @@ def build_index(k: Tensor, p: HybridPlan) -> KeyIndex:
     order = torch.arange(S, device=k.device).expand(B, H, S).contiguous()
     slot_valid = (order < M).contiguous()
     heap = 1 << (p.final_level + 1)
-    count = k.new_zeros(B, H, heap)
+    count, spread = k.new_zeros(B, H, heap), k.new_zeros(B, H, heap)
     mean, principal = k.new_zeros(B, H, heap, D), k.new_zeros(B, H, heap, D)
     x = F.pad(k, (0, 0, 0, S - M))  # keys in slot order, kept in step with ``order``
     for level in range(p.depth + 1):
@@ -130,13 +135,14 @@ def build_index(k: Tensor, p: HybridPlan) -> KeyIndex:
             continue
         nodes = 1 << level
         sv = slot_valid.view(B, H, nodes, S // nodes)
-        c, m, r, proj = node_stats(x.view(B, H, nodes, S // nodes, D), sv, p.tree_iterations)
+        c, m, r, sp, proj = node_stats(x.view(B, H, nodes, S // nodes, D), sv, p.tree_iterations)
         if scored:
-            count[:, :, nodes: 2 * nodes], mean[:, :, nodes: 2 * nodes], principal[:, :, nodes: 2 * nodes] = c, m, r
+            at = slice(nodes, 2 * nodes)
+            count[:, :, at], mean[:, :, at], principal[:, :, at], spread[:, :, at] = c, m, r, sp
         if split:
             rank = halves(proj)
             order = order.view(B, H, nodes, -1).gather(-1, rank).view(B, H, S)
             slot_valid = sv.gather(-1, rank).view(B, H, S)
             # rows move within their node only: a local gather, cache-friendly at the deep levels
             x = rows(x, (rank + torch.arange(0, S, S // nodes, device=k.device)[:, None]).view(B, H, S))
-    return KeyIndex(order, slot_valid, count, mean, principal)
+    return KeyIndex(order, slot_valid, count, mean, principal, spread)

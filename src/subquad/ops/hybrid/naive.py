@@ -27,7 +27,7 @@ def _stats(keys: Tensor, members: list[int], size: int, iterations: int):
     key ranks among its ``size`` slots), as ``index.node_stats`` defines them."""
     D = keys.shape[1]
     if not members:
-        return 0, torch.zeros(D, dtype=keys.dtype), torch.zeros(D, dtype=keys.dtype), {}
+        return 0, torch.zeros(D, dtype=keys.dtype), torch.zeros(D, dtype=keys.dtype), 0.0, {}
     x = keys[members]
     mean = x.mean(0)
     dev = x - mean
@@ -37,13 +37,15 @@ def _stats(keys: Tensor, members: list[int], size: int, iterations: int):
         u = u / max(float(u.detach().norm()), 1e-30)
     proj = dev @ u
     lam = float(proj.square().sum()) / len(members)
-    return len(members), mean, u * math.sqrt(lam), dict(zip(members, proj.tolist()))
+    rho = float(proj.abs().max())
+    return len(members), mean, u * math.sqrt(lam), rho / math.sqrt(lam) if lam > 0 else 0.0, dict(
+        zip(members, proj.tolist()))
 
 
 def tree_naive(k: Tensor, p: HybridPlan) -> tuple[list[list[int]], dict]:
     """The key tree of one head's real keys ``k`` ``(M, D)`` (rank order): its leaves, as lists
     of key ranks (``-1``: an empty slot) in slot order, and the summary ``(count, mean,
-    principal)`` of every node the descent scores, by ``(level, index)``."""
+    principal, rho / sqrt(lam))`` of every node the descent scores, by ``(level, index)``."""
     M = k.shape[0]
     nodes = [list(range(M)) + [-1] * (p.slots - M)]
     stats = {}
@@ -53,9 +55,9 @@ def tree_naive(k: Tensor, p: HybridPlan) -> tuple[list[list[int]], dict]:
         nxt = []
         for j, node in enumerate(nodes):
             members = [r for r in node if r >= 0]
-            count, mean, principal, proj = _stats(k, members, len(node), p.tree_iterations)
+            count, mean, principal, spread, proj = _stats(k, members, len(node), p.tree_iterations)
             if scored:
-                stats[level, j] = (count, mean, principal)
+                stats[level, j] = (count, mean, principal, spread)
             if split:  # sorted() is stable; empty slots last
                 node = sorted(node, key=lambda r: proj[r] if r >= 0 else math.inf)
             nxt += [node[: len(node) // 2], node[len(node) // 2:]]
@@ -65,24 +67,24 @@ def tree_naive(k: Tensor, p: HybridPlan) -> tuple[list[list[int]], dict]:
 
 
 def _node_score(q: Tensor, stat, scoring: str, scale: float) -> float:
-    count, mean, principal = stat
+    """``s q.mean + log n + min(s^2 (q.principal)^2 / 2, s |q.principal| rho / sqrt(lam))``."""
+    count, mean, principal, ratio = stat
     if count == 0:
         return -math.inf
     score = float(q @ mean) * scale
-    if scoring == "second_order":
-        score += math.log(count) + 0.5 * scale * scale * float(q @ principal) ** 2
+    if scoring == "mass":
+        b = abs(float(q @ principal)) * scale
+        score += math.log(count) + min(0.5 * b * b, b * ratio)
     return score
 
 
 def _leaf_score(logits: list[float], scoring: str) -> float:
-    """Score of a leaf from the logits of its keys the query may select."""
+    """Score of a leaf from the logits of its keys the query may select: their log-sum-exp
+    (``mass``) or mean (``mean``)."""
     if not logits:
         return -math.inf
     x = torch.tensor(logits, dtype=torch.float64)
-    score = float(x.mean())
-    if scoring == "second_order":
-        score += math.log(len(logits)) + 0.5 * max(float((x * x).mean()) - score * score, 0.0)
-    return score
+    return float(x.logsumexp(0) if scoring == "mass" else x.mean())
 
 
 def _windows(N: int, M: int, valid: Tensor, w: int, causal: bool) -> list[int]:
@@ -203,9 +205,9 @@ def _coarse_groups(rest: list[int], leaves, M: int, causal: bool, p: HybridPlan)
 
 
 def _selected(q, logits, leaves, stats, i, block, lo, region, causal, p: HybridPlan, scale) -> set[int]:
-    """Keys of the leaves chosen for query ``i``: its block's candidates (tree leaves from the
-    descent; causal, also the recent leaves by position), each scored over the keys ``i`` may
-    select (``region``)."""
+    """Keys of the leaves chosen for query ``i``: its block's candidates (the sink leaves; causal,
+    the recent leaves by position; the tree leaves from the descent; a sink key only in its
+    sink leaf), each scored over the keys ``i`` may select (``region``)."""
     qb = _options.QUERY_BLOCK
     first = block[0]
     sealed = None
@@ -219,7 +221,9 @@ def _selected(q, logits, leaves, stats, i, block, lo, region, causal, p: HybridP
         qs = [q[max(first - qb + 1 + t, 0)] for t in range(qb)]
     else:
         qs = [q[t] for t in block] + [q[block[-1]]] * (qb - len(block))  # the last query repeated
-    cands += _candidates(qs, stats, leaves, sealed, p, scale)
+    sink_keys = p.sinks * p.block_size
+    cands = [[j for j in leaf if j >= sink_keys] for leaf in cands + _candidates(qs, stats, leaves, sealed, p, scale)]
+    cands = [list(range(r, r + p.block_size)) for r in range(0, sink_keys, p.block_size)] + cands
     allowed = set(region)
     scored = []
     for leaf in cands:

@@ -10,7 +10,7 @@ from ...checks import check_choice, check_int
 __all__ = ["HybridOptions", "HybridPlan", "plan", "QUERY_BLOCK", "CHUNK_BYTES", "GROUPINGS", "SCORINGS"]
 
 GROUPINGS = ("tree", "contiguous")
-SCORINGS = ("second_order", "mean")
+SCORINGS = ("mass", "mean")
 
 #: queries (consecutive) that share one descent of the key tree, and so one set of candidate leaves
 QUERY_BLOCK = 64
@@ -26,11 +26,12 @@ class HybridOptions:
     ``block_size`` (keys per leaf), ``num_selected`` (leaves attended exactly per query),
     ``num_summaries`` (coarse groups, a power of two): the parts, derived from the budget when
     None; ``grouping``: ``"tree"`` (keys grouped by similarity; causal: within sealed chunks) or
-    ``"contiguous"`` (by position); ``scoring``: ``"second_order"`` or ``"mean"``;
+    ``"contiguous"`` (by position); ``scoring``: ``"mass"`` or ``"mean"``;
     ``candidates``: leaves each block of queries scores exactly (all of them when there are at
     most this many), found by a beam descent of the key tree keeping ``beam`` nodes per level;
-    ``chunk_size``: keys per sealed chunk in causal mode (a power of two); ``tree_iterations``:
-    power-iteration steps per node."""
+    ``chunk_size``: keys per sealed chunk in causal mode (a power of two); ``sinks``: leading
+    leaves (the first ``sinks * block_size`` keys, where pretrained models park attention) that
+    are always among the candidates; ``tree_iterations``: power-iteration steps per node."""
 
     budget: int = 64
     window: int | None = None
@@ -38,16 +39,17 @@ class HybridOptions:
     num_selected: int | None = None
     num_summaries: int | None = None
     grouping: str = "tree"
-    scoring: str = "second_order"
+    scoring: str = "mass"
     candidates: int = 128
     beam: int = 32
     chunk_size: int = 128
+    sinks: int = 1
     tree_iterations: int = 4
 
     def __post_init__(self):
         for name in ("budget", "block_size", "candidates", "beam", "chunk_size", "tree_iterations"):
             check_int("hybrid", name, getattr(self, name), minimum=1)
-        for name in ("window", "num_selected"):
+        for name in ("window", "num_selected", "sinks"):
             if getattr(self, name) is not None:
                 check_int("hybrid", name, getattr(self, name), minimum=0)
         if self.num_summaries is not None:
@@ -86,6 +88,7 @@ class HybridPlan:
     final_level: int
     beam: int
     chunk_size: int
+    sinks: int
     tree_iterations: int
 
     @property
@@ -124,4 +127,4 @@ def plan(o: HybridOptions, n_keys: int, causal: bool) -> HybridPlan:
         final = depth - int(math.log2(per_final))
         start = min(int(math.log2(o.beam)), final)
     return HybridPlan(min(window, max(n_keys, 1)), bs, selected, summaries, o.scoring, causal, depth, chunk_level,
-                      start, final, o.beam, o.chunk_size, o.tree_iterations)
+                      start, final, o.beam, o.chunk_size, o.sinks, o.tree_iterations)

@@ -2,10 +2,13 @@
 tree, shared by the block), and which of them each query attends (the leaves whose keys' logits
 give the highest score).
 
-Scores of a group of keys for a query (scale ``s``), the log of the group's attention mass to
-second order: ``s q.mean + log n + s^2 Var_j(q.k_j) / 2`` (``"second_order"``; for a node the
-variance along its principal direction only, for a leaf the exact variance of its keys' logits),
-or ``s q.mean`` (``"mean"``, MoBA, Lu et al. 2025).
+Scores of a group of keys for a query (scale ``s``), ``"mass"``: the log of the group's attention
+mass, ``log sum_j exp(s q.k_j)``: exact for a leaf (from its keys' logits); for a node estimated
+from its count, mean key and principal direction ``u``: ``s q.mean + log n + min(s^2 lam (q.u)^2
+/ 2, s rho |q.u|)``, the second-order (Gaussian) term along ``u`` (``lam`` the keys' variance
+along it), capped by the largest deviation along it (``rho`` = max ``|(k_j - mean).u|``), since
+the mass of a few keys grows like their largest logit, not like the square of the spread. Or
+``"mean"``: ``s q.mean`` (MoBA, Lu et al. 2025).
 """
 
 from __future__ import annotations
@@ -82,9 +85,9 @@ def descend(q: Tensor, index: KeyIndex, sealed: Tensor | None, p: HybridPlan, sc
 
 
 def node_vectors(index: KeyIndex, scoring: str, scale: float) -> Tensor:
-    """What a node is scored by, ``(B, H, heap, r * D)``: ``s mean`` and (``second_order``)
+    """What a node is scored by, ``(B, H, heap, r * D)``: ``s mean`` and (``mass``)
     ``s principal / sqrt(2)``, so that a node's score is ``q.a + (q.b)^2 + log n``."""
-    if scoring != "second_order":
+    if scoring != "mass":
         return index.mean * scale
     return torch.cat([index.mean * scale, index.principal * (scale / math.sqrt(2))], -1)
 
@@ -98,15 +101,20 @@ def _block_scores(q: Tensor, index: KeyIndex, vecs: Tensor, node: Tensor, usable
     K = node.shape[-1]
     r = vecs.shape[-1] // D
     count = index.count.gather(2, node.flatten(2)).view(node.shape)
-    base = count.clamp_min(1).log() if p.scoring == "second_order" else torch.zeros_like(count)
+    base = count.clamp_min(1).log() if p.scoring == "mass" else torch.zeros_like(count)
     base = base.masked_fill(~usable | (count == 0), -math.inf).unsqueeze(-2)
+    spread = index.spread.gather(2, node.flatten(2)).view(node.shape).unsqueeze(-2)
     step = max(1, _options.CHUNK_BYTES // (B * H * QB * K * r * q.element_size()))
     out = []
     for b0 in range(0, nb, step):
         nd = node[:, :, b0: b0 + step]
         v = rows(vecs, nd).view(B, H, nd.shape[2], K * r, D)  # rows: node 0's vectors, node 1's, ...
         proj = (q[:, :, b0: b0 + step] @ v.mT).unflatten(-1, (K, r))
-        score = proj[..., 0] if r == 1 else proj[..., 1].square().add_(proj[..., 0])
+        if r == 1:
+            score = proj[..., 0]
+        else:
+            b = proj[..., 1].abs()
+            score = torch.minimum(b.square(), b * spread[:, :, b0: b0 + step]).add_(proj[..., 0])
         score = score.add_(base[:, :, b0: b0 + step])
         score = score - score.logsumexp(-1, keepdim=True).nan_to_num(neginf=0.0)
         out.append(score.amax(-2))
@@ -117,16 +125,17 @@ def leaf_scores(x: Tensor, allowed: Tensor, block_size: int, scoring: str) -> Te
     """Scores of candidate leaves from their keys' logits: x ``(..., Q, block_size * L)``, ``s
     q.k`` of the ``L`` leaves' keys slot-major (column ``t * L + l``: key ``t`` of leaf ``l``);
     allowed ``(..., Q, block_size * L)``: which keys the query may select. Over the allowed keys
-    of each leaf: their mean logit (``mean``), plus ``log n`` and half their variance
-    (``second_order``); -inf for a leaf with none. -> ``(..., Q, L)``. In that layout the sums
-    over a leaf are passes over whole planes (a reduction over the few keys of each leaf is
-    several times slower on CPU)."""
-    w = allowed.to(x.dtype).unflatten(-1, (block_size, -1))
-    xw = (x.unflatten(-1, (block_size, -1)) * w)
-    n = w.sum(-2)
-    nc = n.clamp_min(1)
-    score = xw.sum(-2) / nc
-    if scoring == "second_order":
-        var = ((xw * xw).sum(-2) / nc - score.square()).clamp_min_(0)
-        score = score + nc.log() + 0.5 * var
-    return score.masked_fill(n == 0, -math.inf)
+    of each leaf: the log-sum-exp of their logits (``mass``) or their mean logit (``mean``);
+    -inf for a leaf with none. -> ``(..., Q, L)``. In that layout the reductions over a leaf
+    are passes over whole planes (a reduction over the few keys of each leaf is several times
+    slower on CPU)."""
+    x = x.unflatten(-1, (block_size, -1))
+    w = allowed.unflatten(-1, (block_size, -1))
+    if scoring == "mass":
+        xm = x.masked_fill(~w, -math.inf)
+        top = xm.amax(-2)
+        safe = top.masked_fill(top == -math.inf, 0.0)
+        return (xm - safe.unsqueeze(-2)).exp_().sum(-2).log_().add_(safe)
+    wf = w.to(x.dtype)
+    n = wf.sum(-2)
+    return ((x * wf).sum(-2) / n.clamp_min(1)).masked_fill(n == 0, -math.inf)
