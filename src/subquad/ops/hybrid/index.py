@@ -71,8 +71,8 @@ def node_stats(x: Tensor, valid: Tensor, iterations: int) -> tuple[Tensor, Tenso
     """Summary of each node of keys ``x`` ``(..., n, D)`` (``valid`` ``(..., n)``): key count
     ``(...)``, mean ``(..., D)``, principal part ``sqrt(lam) u`` ``(..., D)`` (``u`` the top
     principal direction of the centred valid keys by power iteration from the key farthest from
-    the mean, ``lam`` the mean squared projection on it), the spread ``sqrt(2) rho / sqrt(lam)``
-    (``rho`` the largest ``|projection|``; 0 when ``lam`` is 0) ``(...)`` and the projections
+    the mean, ``lam`` the mean squared projection on it), the spread ``sqrt(2) (max p, -min p) /
+    sqrt(lam)`` over the projections ``p`` (0 when ``lam`` is 0) ``(..., 2)`` and the projections
     ``(..., n)``, +inf at invalid keys. The deviations are never formed: ``(x - mean) u = x u -
     mean . u``."""
     w = valid.to(x.dtype)
@@ -95,8 +95,9 @@ def node_stats(x: Tensor, valid: Tensor, iterations: int) -> tuple[Tensor, Tenso
     proj = centred(u)
     lam = proj.square().sum(-1, keepdim=True) / count.clamp_min(1).unsqueeze(-1)
     root = lam.sqrt()
-    spread = (proj.abs().amax(-1, keepdim=True) * math.sqrt(2) / root.clamp_min(1e-30)).masked_fill(root == 0, 0.0)
-    return count, mean.squeeze(-2), u * root, spread.squeeze(-1), proj.masked_fill(~valid, math.inf)
+    ends = torch.stack([proj.amax(-1), -proj.amin(-1)], -1)  # the largest deviation along +u and along -u
+    spread = (ends * math.sqrt(2) / root.clamp_min(1e-30)).masked_fill(root == 0, 0.0)
+    return count, mean.squeeze(-2), u * root, spread, proj.masked_fill(~valid, math.inf)
 
 
 @dataclass
@@ -125,7 +126,7 @@ def build_index(k: Tensor, p: HybridPlan) -> KeyIndex:
     order = torch.arange(S, device=k.device).expand(B, H, S).contiguous()
     slot_valid = (order < M).contiguous()
     heap = 1 << (p.final_level + 1)
-    count, spread = k.new_zeros(B, H, heap), k.new_zeros(B, H, heap)
+    count, spread = k.new_zeros(B, H, heap), k.new_zeros(B, H, heap, 2)
     mean, principal = k.new_zeros(B, H, heap, D), k.new_zeros(B, H, heap, D)
     x = F.pad(k, (0, 0, 0, S - M))  # keys in slot order, kept in step with ``order``
     for level in range(p.depth + 1):

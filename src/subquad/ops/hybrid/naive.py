@@ -27,7 +27,7 @@ def _stats(keys: Tensor, members: list[int], size: int, iterations: int):
     key ranks among its ``size`` slots), as ``index.node_stats`` defines them."""
     D = keys.shape[1]
     if not members:
-        return 0, torch.zeros(D, dtype=keys.dtype), torch.zeros(D, dtype=keys.dtype), 0.0, {}
+        return 0, torch.zeros(D, dtype=keys.dtype), torch.zeros(D, dtype=keys.dtype), (0.0, 0.0), {}
     x = keys[members]
     mean = x.mean(0)
     dev = x - mean
@@ -37,15 +37,15 @@ def _stats(keys: Tensor, members: list[int], size: int, iterations: int):
         u = u / max(float(u.detach().norm()), 1e-30)
     proj = dev @ u
     lam = float(proj.square().sum()) / len(members)
-    rho = float(proj.abs().max())
-    return len(members), mean, u * math.sqrt(lam), rho / math.sqrt(lam) if lam > 0 else 0.0, dict(
-        zip(members, proj.tolist()))
+    ends = (float(proj.max()) / math.sqrt(lam), -float(proj.min()) / math.sqrt(lam)) if lam > 0 else (0.0, 0.0)
+    return len(members), mean, u * math.sqrt(lam), ends, dict(zip(members, proj.tolist()))
 
 
 def tree_naive(k: Tensor, p: HybridPlan) -> tuple[list[list[int]], dict]:
     """The key tree of one head's real keys ``k`` ``(M, D)`` (rank order): its leaves, as lists
     of key ranks (``-1``: an empty slot) in slot order, and the summary ``(count, mean,
-    principal, rho / sqrt(lam))`` of every node the descent scores, by ``(level, index)``."""
+    principal, largest deviations along +u and -u over sqrt(lam))`` of every node the descent
+    scores, by ``(level, index)``."""
     M = k.shape[0]
     nodes = [list(range(M)) + [-1] * (p.slots - M)]
     stats = {}
@@ -67,14 +67,15 @@ def tree_naive(k: Tensor, p: HybridPlan) -> tuple[list[list[int]], dict]:
 
 
 def _node_score(q: Tensor, stat, scoring: str, scale: float) -> float:
-    """``s q.mean + log n + min(s^2 (q.principal)^2 / 2, s |q.principal| rho / sqrt(lam))``."""
-    count, mean, principal, ratio = stat
+    """``s q.mean + log n + min(s^2 (q.principal)^2 / 2, s (q.u) p)``, ``p`` the largest
+    deviation along ``u`` on the side ``q`` points to."""
+    count, mean, principal, (up, down) = stat
     if count == 0:
         return -math.inf
     score = float(q @ mean) * scale
     if scoring == "mass":
-        b = abs(float(q @ principal)) * scale
-        score += math.log(count) + min(0.5 * b * b, b * ratio)
+        b = float(q @ principal) * scale
+        score += math.log(count) + min(0.5 * b * b, b * up if b > 0 else -b * down)
     return score
 
 

@@ -5,9 +5,10 @@ give the highest score).
 Scores of a group of keys for a query (scale ``s``), ``"mass"``: the log of the group's attention
 mass, ``log sum_j exp(s q.k_j)``: exact for a leaf (from its keys' logits); for a node estimated
 from its count, mean key and principal direction ``u``: ``s q.mean + log n + min(s^2 lam (q.u)^2
-/ 2, s rho |q.u|)``, the second-order (Gaussian) term along ``u`` (``lam`` the keys' variance
-along it), capped by the largest deviation along it (``rho`` = max ``|(k_j - mean).u|``), since
-the mass of a few keys grows like their largest logit, not like the square of the spread. Or
+/ 2, s (q.u) p)``, the second-order (Gaussian) term along ``u`` (``lam`` the keys' variance
+along it), capped by the largest deviation ``p`` of a key along ``u`` on the side ``q`` points
+to, since the mass of a few keys grows like their largest logit, not like the square of the
+spread. Or
 ``"mean"``: ``s q.mean`` (MoBA, Lu et al. 2025).
 """
 
@@ -103,7 +104,7 @@ def _block_scores(q: Tensor, index: KeyIndex, vecs: Tensor, node: Tensor, usable
     count = index.count.gather(2, node.flatten(2)).view(node.shape)
     base = count.clamp_min(1).log() if p.scoring == "mass" else torch.zeros_like(count)
     base = base.masked_fill(~usable | (count == 0), -math.inf).unsqueeze(-2)
-    spread = index.spread.gather(2, node.flatten(2)).view(node.shape).unsqueeze(-2)
+    spread = rows(index.spread, node).unsqueeze(-3)  # (B, H, nb, 1, K, 2)
     step = max(1, _options.CHUNK_BYTES // (B * H * QB * K * r * q.element_size()))
     out = []
     for b0 in range(0, nb, step):
@@ -113,8 +114,10 @@ def _block_scores(q: Tensor, index: KeyIndex, vecs: Tensor, node: Tensor, usable
         if r == 1:
             score = proj[..., 0]
         else:
-            b = proj[..., 1].abs()
-            score = torch.minimum(b.square(), b * spread[:, :, b0: b0 + step]).add_(proj[..., 0])
+            b = proj[..., 1]
+            sp = spread[:, :, b0: b0 + step]
+            reach = torch.where(b > 0, b * sp[..., 0], -b * sp[..., 1])
+            score = torch.minimum(b.square(), reach).add_(proj[..., 0])
         score = score.add_(base[:, :, b0: b0 + step])
         score = score - score.logsumexp(-1, keepdim=True).nan_to_num(neginf=0.0)
         out.append(score.amax(-2))
