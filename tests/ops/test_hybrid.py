@@ -261,7 +261,9 @@ def test_budget_rule():
     p = plan(HybridOptions(budget=32, window=2, num_selected=1), 512, causal=False)
     assert (p.window, p.num_selected, p.num_summaries) == (2, 1, 4)
     p = plan(HybridOptions(), 16384, causal=False)  # 4096 leaves: descend from 32 nodes to nodes of 4 leaves
-    assert (p.depth, p.start_level, p.final_level) == (12, 5, 10)
+    assert (p.depth, p.start_level, p.final_level, p.beam) == (12, 5, 10, 32)
+    p = plan(HybridOptions(budget=128), 16384, causal=False)  # 24 selected leaves: 256 candidates, beam 64
+    assert (p.start_level, p.final_level, p.beam) == (6, 10, 64)
     assert plan(HybridOptions(grouping="contiguous"), 16384, causal=False).chunk_level == 12
 
 

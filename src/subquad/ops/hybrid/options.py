@@ -28,7 +28,8 @@ class HybridOptions:
     None; ``grouping``: ``"tree"`` (keys grouped by similarity; causal: within sealed chunks) or
     ``"contiguous"`` (by position); ``scoring``: ``"mass"`` or ``"mean"``;
     ``candidates``: leaves each block of queries scores exactly (all of them when there are at
-    most this many), found by a beam descent of the key tree keeping ``beam`` nodes per level;
+    most this many), found by a beam descent of the key tree keeping ``beam`` nodes per level
+    (None: the power of two at or above ``8 num_selected``, at least 128, and a quarter of it);
     ``chunk_size``: keys per sealed chunk in causal mode (a power of two); ``sinks``: leading
     leaves (the first ``sinks * block_size`` keys, where pretrained models park attention) that
     are always among the candidates; ``tree_iterations``: power-iteration steps per node."""
@@ -40,15 +41,18 @@ class HybridOptions:
     num_summaries: int | None = None
     grouping: str = "tree"
     scoring: str = "mass"
-    candidates: int = 128
-    beam: int = 32
+    candidates: int | None = None
+    beam: int | None = None
     chunk_size: int = 128
     sinks: int = 1
     tree_iterations: int = 4
 
     def __post_init__(self):
-        for name in ("budget", "block_size", "candidates", "beam", "chunk_size", "tree_iterations"):
+        for name in ("budget", "block_size", "chunk_size", "tree_iterations"):
             check_int("hybrid", name, getattr(self, name), minimum=1)
+        for name in ("candidates", "beam"):
+            if getattr(self, name) is not None:
+                check_int("hybrid", name, getattr(self, name), minimum=1)
         for name in ("window", "num_selected", "sinks"):
             if getattr(self, name) is not None:
                 check_int("hybrid", name, getattr(self, name), minimum=0)
@@ -58,11 +62,11 @@ class HybridOptions:
         check_choice("hybrid", "scoring", self.scoring, SCORINGS)
         for name in ("block_size", "candidates", "beam", "chunk_size"):
             value = getattr(self, name)
-            if value & (value - 1):
+            if value is not None and value & (value - 1):
                 raise ValueError(f"hybrid: {name} must be a power of two, got {value}")
         if self.num_summaries is not None and self.num_summaries & (self.num_summaries - 1):
             raise ValueError(f"hybrid: num_summaries must be a power of two, got {self.num_summaries}")
-        if self.beam > self.candidates:
+        if self.beam is not None and self.candidates is not None and self.beam > self.candidates:
             raise ValueError(f"hybrid: beam ({self.beam}) must not exceed candidates ({self.candidates})")
 
 
@@ -104,7 +108,8 @@ class HybridPlan:
 def plan(o: HybridOptions, n_keys: int, causal: bool) -> HybridPlan:
     """Split ``o.budget`` into window, selected leaves and summaries (``num_summaries`` = the
     largest power of two <= budget / 8, ``window`` = budget // 8, ``num_selected`` = what is left
-    in leaves of ``block_size``), and lay out the key tree for ``n_keys`` real keys."""
+    in leaves of ``block_size``), size the candidates (8 per selected leaf, at least 128) and
+    lay out the key tree for ``n_keys`` real keys."""
     summaries = o.num_summaries
     if summaries is None:
         summaries = 1 << max(0, int(math.log2(max(1, o.budget // 8))))
@@ -120,11 +125,14 @@ def plan(o: HybridOptions, n_keys: int, causal: bool) -> HybridPlan:
         chunk_level = max(0, depth - int(math.log2(max(1, o.chunk_size // bs))))
     else:
         chunk_level = 0
-    per_final = o.candidates // o.beam  # leaves of a final node
-    if (1 << depth) <= o.candidates:
+    candidates = o.candidates or max(128, 1 << math.ceil(math.log2(max(1, 8 * selected))))
+    beam = o.beam or max(1, candidates // 4)
+    if beam > candidates:
+        raise ValueError(f"hybrid: beam ({beam}) must not exceed candidates ({candidates})")
+    if (1 << depth) <= candidates:
         final = start = 0
     else:
-        final = depth - int(math.log2(per_final))
-        start = min(int(math.log2(o.beam)), final)
+        final = depth - int(math.log2(candidates // beam))  # final nodes hold candidates / beam leaves
+        start = min(int(math.log2(beam)), final)
     return HybridPlan(min(window, max(n_keys, 1)), bs, selected, summaries, o.scoring, causal, depth, chunk_level,
-                      start, final, o.beam, o.chunk_size, o.sinks, o.tree_iterations)
+                      start, final, beam, o.chunk_size, o.sinks, o.tree_iterations)
