@@ -69,12 +69,10 @@ def halves(proj: Tensor) -> Tensor:
 
 def node_stats(x: Tensor, valid: Tensor, iterations: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Summary of each node of keys ``x`` ``(..., n, D)`` (``valid`` ``(..., n)``): key count
-    ``(...)``, mean ``(..., D)``, principal part ``sqrt(lam) u`` ``(..., D)`` (``u`` the top
-    principal direction of the centred valid keys by power iteration from the key farthest from
-    the mean, ``lam`` the mean squared projection on it), the spread ``sqrt(2) (max p, -min p) /
-    sqrt(lam)`` over the projections ``p`` (0 when ``lam`` is 0) ``(..., 2)`` and the projections
-    ``(..., n)``, +inf at invalid keys. The deviations are never formed: ``(x - mean) u = x u -
-    mean . u``."""
+    ``(...)``, mean ``(..., D)``, the top principal direction ``u`` of the centred valid keys
+    (unit; power iteration from the key farthest from the mean) ``(..., D)``, the largest and the
+    smallest projection on it ``(..., 2)``, and the projections ``(..., n)``, +inf at invalid
+    keys. The deviations are never formed: ``(x - mean) u = x u - mean . u``."""
     w = valid.to(x.dtype)
     count = w.sum(-1)
     mean = (w.unsqueeze(-2) @ x) / count.clamp_min(1)[..., None, None]  # (..., 1, D)
@@ -92,18 +90,15 @@ def node_stats(x: Tensor, valid: Tensor, iterations: int) -> tuple[Tensor, Tenso
         xu = centred(u)
         u = (xu.unsqueeze(-2) @ x).squeeze(-2) - mean.squeeze(-2) * xu.sum(-1, keepdim=True)
         u = u / u.norm(dim=-1, keepdim=True).clamp_min(1e-30)
-    proj = centred(u)
-    lam = proj.square().sum(-1, keepdim=True) / count.clamp_min(1).unsqueeze(-1)
-    root = lam.sqrt()
-    ends = torch.stack([proj.amax(-1), -proj.amin(-1)], -1)  # the largest deviation along +u and along -u
-    spread = (ends * math.sqrt(2) / root.clamp_min(1e-30)).masked_fill(root == 0, 0.0)
-    return count, mean.squeeze(-2), u * root, spread, proj.masked_fill(~valid, math.inf)
+    proj = centred(u)  # zero at invalid keys, so the ends are >= 0 and <= 0
+    ends = torch.stack([proj.amax(-1), proj.amin(-1)], -1)
+    return count, mean.squeeze(-2), u, ends, proj.masked_fill(~valid, math.inf)
 
 
 @dataclass
 class KeyIndex:
     """The tree of one call's keys. ``order`` ``(B, H, S)``: the key rank in each slot (``>= M``:
-    an empty slot); ``slot_valid`` ``(B, H, S)``; ``count``, ``mean``, ``principal``, ``spread``:
+    an empty slot); ``slot_valid`` ``(B, H, S)``; ``count``, ``mean``, ``direction``, ``ends``:
     the node summaries (:func:`node_stats`) in heap layout (node ``j`` of level ``l`` at
     ``2**l + j``; filled for the levels the descent scores, ``start_level + 1 .. final_level``),
     ``(B, H, 2**(final_level + 1))`` and ``(B, H, 2**(final_level + 1), D)``."""
@@ -112,8 +107,8 @@ class KeyIndex:
     slot_valid: Tensor
     count: Tensor
     mean: Tensor
-    principal: Tensor
-    spread: Tensor
+    direction: Tensor
+    ends: Tensor
 
 
 def build_index(k: Tensor, p: HybridPlan) -> KeyIndex:
@@ -126,8 +121,8 @@ def build_index(k: Tensor, p: HybridPlan) -> KeyIndex:
     order = torch.arange(S, device=k.device).expand(B, H, S).contiguous()
     slot_valid = (order < M).contiguous()
     heap = 1 << (p.final_level + 1)
-    count, spread = k.new_zeros(B, H, heap), k.new_zeros(B, H, heap, 2)
-    mean, principal = k.new_zeros(B, H, heap, D), k.new_zeros(B, H, heap, D)
+    count, ends = k.new_zeros(B, H, heap), k.new_zeros(B, H, heap, 2)
+    mean, direction = k.new_zeros(B, H, heap, D), k.new_zeros(B, H, heap, D)
     x = F.pad(k, (0, 0, 0, S - M))  # keys in slot order, kept in step with ``order``
     for level in range(p.depth + 1):
         scored = p.start_level < level <= p.final_level
@@ -136,14 +131,14 @@ def build_index(k: Tensor, p: HybridPlan) -> KeyIndex:
             continue
         nodes = 1 << level
         sv = slot_valid.view(B, H, nodes, S // nodes)
-        c, m, r, sp, proj = node_stats(x.view(B, H, nodes, S // nodes, D), sv, p.tree_iterations)
+        c, m, u, e, proj = node_stats(x.view(B, H, nodes, S // nodes, D), sv, p.tree_iterations)
         if scored:
             at = slice(nodes, 2 * nodes)
-            count[:, :, at], mean[:, :, at], principal[:, :, at], spread[:, :, at] = c, m, r, sp
+            count[:, :, at], mean[:, :, at], direction[:, :, at], ends[:, :, at] = c, m, u, e
         if split:
             rank = halves(proj)
             order = order.view(B, H, nodes, -1).gather(-1, rank).view(B, H, S)
             slot_valid = sv.gather(-1, rank).view(B, H, S)
             # rows move within their node only: a local gather, cache-friendly at the deep levels
             x = rows(x, (rank + torch.arange(0, S, S // nodes, device=k.device)[:, None]).view(B, H, S))
-    return KeyIndex(order, slot_valid, count, mean, principal, spread)
+    return KeyIndex(order, slot_valid, count, mean, direction, ends)

@@ -23,8 +23,9 @@ __all__ = ["hybrid_attention_naive", "tree_naive"]
 
 
 def _stats(keys: Tensor, members: list[int], size: int, iterations: int):
-    """Count, mean, principal part and per-member projections of one node (``members``: real
-    key ranks among its ``size`` slots), as ``index.node_stats`` defines them."""
+    """Count, mean, principal direction, its (largest, smallest) projection and per-member
+    projections of one node (``members``: real key ranks among its ``size`` slots), as
+    ``index.node_stats`` defines them."""
     D = keys.shape[1]
     if not members:
         return 0, torch.zeros(D, dtype=keys.dtype), torch.zeros(D, dtype=keys.dtype), (0.0, 0.0), {}
@@ -36,16 +37,15 @@ def _stats(keys: Tensor, members: list[int], size: int, iterations: int):
         u = dev.T @ (dev @ u)
         u = u / max(float(u.detach().norm()), 1e-30)
     proj = dev @ u
-    lam = float(proj.square().sum()) / len(members)
-    ends = (float(proj.max()) / math.sqrt(lam), -float(proj.min()) / math.sqrt(lam)) if lam > 0 else (0.0, 0.0)
-    return len(members), mean, u * math.sqrt(lam), ends, dict(zip(members, proj.tolist()))
+    ends = (max(float(proj.max()), 0.0), min(float(proj.min()), 0.0))  # empty slots project to 0
+    return len(members), mean, u, ends, dict(zip(members, proj.tolist()))
 
 
 def tree_naive(k: Tensor, p: HybridPlan) -> tuple[list[list[int]], dict]:
     """The key tree of one head's real keys ``k`` ``(M, D)`` (rank order): its leaves, as lists
-    of key ranks (``-1``: an empty slot) in slot order, and the summary ``(count, mean,
-    principal, largest deviations along +u and -u over sqrt(lam))`` of every node the descent
-    scores, by ``(level, index)``."""
+    of key ranks (``-1``: an empty slot) in slot order, and the summary ``(count, mean, u,
+    (largest, smallest projection on u))`` of every node the descent scores, by ``(level,
+    index)``."""
     M = k.shape[0]
     nodes = [list(range(M)) + [-1] * (p.slots - M)]
     stats = {}
@@ -55,9 +55,9 @@ def tree_naive(k: Tensor, p: HybridPlan) -> tuple[list[list[int]], dict]:
         nxt = []
         for j, node in enumerate(nodes):
             members = [r for r in node if r >= 0]
-            count, mean, principal, spread, proj = _stats(k, members, len(node), p.tree_iterations)
+            count, mean, u, ends, proj = _stats(k, members, len(node), p.tree_iterations)
             if scored:
-                stats[level, j] = (count, mean, principal, spread)
+                stats[level, j] = (count, mean, u, ends)
             if split:  # sorted() is stable; empty slots last
                 node = sorted(node, key=lambda r: proj[r] if r >= 0 else math.inf)
             nxt += [node[: len(node) // 2], node[len(node) // 2:]]
@@ -67,15 +67,14 @@ def tree_naive(k: Tensor, p: HybridPlan) -> tuple[list[list[int]], dict]:
 
 
 def _node_score(q: Tensor, stat, scoring: str, scale: float) -> float:
-    """``s q.mean + log n + min(s^2 (q.principal)^2 / 2, s (q.u) p)``, ``p`` the largest
-    deviation along ``u`` on the side ``q`` points to."""
-    count, mean, principal, (up, down) = stat
+    """``s q.mean + log n + s max((q.u) p_max, (q.u) p_min)`` (``mass``) or ``s q.mean``."""
+    count, mean, u, (high, low) = stat
     if count == 0:
         return -math.inf
     score = float(q @ mean) * scale
     if scoring == "mass":
-        b = float(q @ principal) * scale
-        score += math.log(count) + min(0.5 * b * b, b * up if b > 0 else -b * down)
+        b = float(q @ u) * scale
+        score += math.log(count) + max(b * high, b * low)
     return score
 
 
