@@ -58,10 +58,10 @@ HYBRID_VARIANTS = [
     ("hybrid (grouping=contiguous; scoring=mass)", {"grouping": "contiguous"}),
     ("hybrid (grouping=contiguous, scoring=mean)", {"grouping": "contiguous", "scoring": "mean"}),
     # the beam descent, as at long N: each block of 64 queries scores the leaves that a descent
-    # of the tree keeping `beam` nodes per level ends on, not all 128
-    ("hybrid (candidates=64: descent to 64 of 128 leaves, beam 32)", {"candidates": 64}),
-    ("hybrid (candidates=32: descent to 32 of 128 leaves, beam 32)", {"candidates": 32}),
-    ("hybrid (candidates=32, beam=8: descent to 32 of 128 leaves, beam 8)", {"candidates": 32, "beam": 8}),
+    # of the tree keeping `beam` nodes per level (default: candidates / 4) ends on, not all 128
+    ("hybrid (candidates=64: descent to 64 of 128 leaves, beam 16)", {"candidates": 64}),
+    ("hybrid (candidates=32: descent to 32 of 128 leaves, beam 8)", {"candidates": 32}),
+    ("hybrid (candidates=32, beam=32: descent to 32 of 128 leaves, beam 32)", {"candidates": 32, "beam": 32}),
 ]
 
 
