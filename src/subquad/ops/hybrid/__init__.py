@@ -24,25 +24,30 @@ position down to **sealed chunks** of ``chunk_size`` keys and by similarity insi
 so no group mixes a key with later ones; the coarse groups are runs of ranks, and a query
 summarises only the keys before its window.
 
-**Selection** (``select.py``): queries go in blocks of :data:`~.plan.QUERY_BLOCK` consecutive
+**Selection** (``select.py``): queries go in blocks of :data:`~.options.QUERY_BLOCK` consecutive
 queries that share one **beam descent** of the tree: from every node of the level with ``beam``
-nodes, each level keeps the ``beam`` children with the best score any query of the block gives
-them (the log of a node's attention mass to second order, from its count, mean key and principal
-direction), down to nodes of ``candidates / beam`` leaves, whose leaves are the block's
-candidates: ``candidates`` leaves for O(beam log N) node scores per block. With at most
-``candidates`` leaves every leaf is a candidate. Causal, a block descends only through the
-chunks sealed before the chunk preceding its first window, and its **recent keys** (from there to
-each query's window) are always candidates, in leaves by position. Each query then scores its
-candidate leaves exactly, from its logits with their keys (mean logit + log count + half their
-variance), and takes the best ``num_selected``. The idea of compressed + selected + window terms
-follows Native Sparse Attention (Yuan et al. 2025); grouping by key similarity, clustered
-attention (Vyas et al. 2020); scoring a group by its mean key, MoBA (Lu et al. 2025).
+nodes, each level keeps the ``beam`` children that some query of the block scores best relative
+to its other choices (a node's score: the largest logit a key reaches along the node's principal
+direction, plus the log of its count), down to nodes of ``candidates / beam`` leaves, whose
+leaves are the block's candidates: ``candidates`` leaves for O(beam log N) node scores per
+block. With at most ``candidates`` leaves every leaf is a candidate. The first ``sinks`` leaves
+(where pretrained models park attention: StreamingLLM's attention sinks, Xiao et al. 2023) are
+always candidates. Causal, a block descends only through the chunks sealed before the chunk
+preceding its first window, its descent scores nodes for the 64 queries that end at its first
+query (nothing later steers a choice), and its **recent keys** (from there to each query's
+window) are always candidates, in leaves by position. Each query then scores its candidate
+leaves exactly, by the log-sum-exp of the logits of the keys it may select in them, and takes
+the best ``num_selected``. The idea of compressed + selected + window terms follows Native Sparse
+Attention (Yuan et al. 2025); grouping by key similarity, clustered attention (Vyas et al. 2020);
+scoring a group by its mean key, MoBA (Lu et al. 2025), as ``scoring="mean"`` does.
 
 **Budget**: ``budget`` = keys attended exactly + summaries, per query. The parts not given are
 derived from it: ``num_summaries`` = the largest power of two <= ``budget / 8``, ``window`` =
 ``budget // 8``, ``num_selected`` = ``(budget - window - num_summaries) // block_size`` (64 ->
-window 8, 12 leaves of 4, 8 summaries; chosen on all-MiniLM-L6-v2, ``benchmarks/real_fidelity.py``).
-At ``budget >=`` the number of real keys the op is exact attention.
+window 8, 12 leaves of 4, 8 summaries; chosen on all-MiniLM-L6-v2, ``benchmarks/real_fidelity.py``),
+``candidates`` = 8 per selected leaf (at least 128), ``beam`` = a quarter of them. At ``budget >=``
+the number of real keys the op is exact attention. Measured on SmolLM2-135M-Instruct's causal
+attention at 2k-8k tokens in ``benchmarks/results/long_fidelity.md``.
 
 Selection is discrete and has no gradient; everything else (window, selected keys, summaries) is
 differentiable. Cost per query: ``O((window + candidates * block_size + beam log N) D)``, plus the

@@ -57,8 +57,8 @@ def descend(q: Tensor, index: KeyIndex, sealed: Tensor | None, p: HybridPlan, sc
     node of ``start_level``; at each level score the children of the kept nodes by the best
     relative score any query of the block gives them (:func:`_block_scores`) and keep the
     ``beam`` best (+1 when causal, for the node that straddles the sealed end, always opened);
-    the leaves of the nodes kept at ``final_level``. Returns the first slot of each candidate leaf ``(B, H, nb, L)`` and whether
-    it may be chosen. Causal: ``sealed`` ``(nb,)``, only nodes of sealed chunks count."""
+    the leaves of the nodes kept at ``final_level``. Returns the first slot of each candidate leaf
+    ``(B, H, nb, L)`` and whether it may be chosen. Causal: ``sealed`` ``(nb,)``, only nodes of sealed chunks count."""
     B, H, nb = q.shape[:3]
     dev = q.device
     keep = p.beam + (sealed is not None)
