@@ -30,7 +30,7 @@ def flops(B, H, N, M, D, Dv, o) -> int:
     nq = nb * qb
     total = _tree_flops(p, D)
     K = 1 << p.start_level
-    per_score = 2 if p.scoring == "mass" else 1  # products with the means, the principal parts
+    per_score = 2 if p.scoring == "mass" else 1  # products with the means and the principal directions
     for _ in range(p.start_level + 1, p.final_level + 1):
         total += per_score * 2 * nq * 2 * K * D
         K = min(p.beam, 2 * K)

@@ -79,7 +79,7 @@ def descend(q: Tensor, index: KeyIndex, sealed: Tensor | None, p: HybridPlan, sc
     first = (node - (1 << p.final_level)) * (per_node * p.block_size)  # first slot of each node
     leaf = (first.unsqueeze(-1) + torch.arange(0, per_node * p.block_size, p.block_size, device=dev)).flatten(-2)
     ok = (score > -math.inf).repeat_interleave(per_node, -1)
-    if sealed is not None:  # one stage: the root's leaves, only those of sealed chunks
+    if sealed is not None:  # only leaves of sealed chunks (a final node may be wider than a chunk)
         ok = ok & ((leaf // p.chunk_size + 1) * p.chunk_size <= sealed.view(-1, 1))
     return leaf, ok
 
