@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import subquad
+import subquad.ops.hybrid as hybrid
 import subquad.ops.hybrid.index as hybrid_index
 import subquad.ops.hybrid.options as hybrid_options
 from conftest import qkv
@@ -60,6 +61,15 @@ def query_block(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def path(request, monkeypatch):
+    """Which forward computes a CPU call without autograd: the compiled kernel (the default) or
+    the torch path (what runs on other devices, with gradients and under torch.compile)."""
+    if request.param == "torch":
+        monkeypatch.setattr(hybrid, "_kernel", lambda: None)
+    return request.param
+
+
 def _assert_matches_naive(case, masked: bool):
     n, m, causal = case[:3]
     q, k, v = qkv(2, 2, n, 8, m=m, dv=5, seed=n + m)
@@ -71,12 +81,12 @@ def _assert_matches_naive(case, masked: bool):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("masked", [False, True])
-def test_matches_naive(case, masked, query_block):
+def test_matches_naive(case, masked, query_block, path):
     _assert_matches_naive(case, masked)
 
 
 @pytest.mark.parametrize("case", CASES[6:], ids=lambda c: "-".join(map(str, c)))
-def test_chunked_descent_and_runs_match_naive(case, monkeypatch):
+def test_chunked_descent_and_runs_match_naive(case, monkeypatch, path):
     """CHUNK_BYTES of 1: the descent scores one query block at a time and every run holds one
     block, as at long N."""
     monkeypatch.setattr(hybrid_options, "QUERY_BLOCK", 4)
@@ -90,6 +100,7 @@ def test_torch_selection_path_matches_naive(case, monkeypatch):
     torch.compile and under dispatch modes): the same estimator as the numpy path on CPU."""
     monkeypatch.setattr(hybrid_options, "QUERY_BLOCK", 4)
     monkeypatch.setattr(hybrid_index, "numpy_path", lambda x: False)
+    monkeypatch.setattr(hybrid, "_kernel", lambda: None)
     _assert_matches_naive(case, masked=True)
 
 
@@ -115,7 +126,7 @@ def test_largest_and_halves_agree_with_torch():
 
 
 @pytest.mark.parametrize("candidates", [256, 4])
-def test_large_leaves_match_naive(candidates, query_block):
+def test_large_leaves_match_naive(candidates, query_block, path):
     """Leaves of more keys: a leaf scores with its keys' exact logit variance."""
     opts = dict(budget=20, block_size=4, window=3, num_selected=2, num_summaries=2, candidates=candidates, beam=2,
                 chunk_size=8)
@@ -321,3 +332,12 @@ def test_flop_formula_matches_counted(opts):
     counted = counted_flops(lambda: hybrid_attention(q, k, v, **opts))
     info = subquad.get_method("hybrid")
     assert forward_flops("hybrid", 1, 2, 70, 70, 16, 8, full_options(info, opts)) == counted
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_window_zero_matches_naive(causal, path):
+    """No window: the last causal query summarises every key, its last coarse group whole."""
+    q, k, v = qkv(1, 2, 20, 8, dv=5, seed=8)
+    opts = dict(budget=5, window=0, block_size=2, num_selected=1, num_summaries=2)
+    torch.testing.assert_close(hybrid_attention(q, k, v, causal=causal, **opts),
+                               hybrid_attention_naive(q, k, v, None, causal, None, **opts), rtol=1e-10, atol=1e-10)

@@ -52,19 +52,23 @@ attention at 2k-8k tokens in ``benchmarks/results/long_fidelity.md``.
 Selection is discrete and has no gradient; everything else (window, selected keys, summaries) is
 differentiable. Cost per query: ``O((window + candidates * block_size + beam log N) D)``, plus the
 tree, ``O(D log N)`` per key and power-iteration step; causal adds up to ``2 chunk_size +
-QUERY_BLOCK`` recent keys. How it is computed: ``attend.py``; FLOPs: ``flops.py``.
+QUERY_BLOCK`` recent keys. How it is computed: on CPU without autograd by a compiled kernel
+(``kernel.py``, ``kernel_tree.py``; numba), elsewhere and with gradients in torch (``attend.py``),
+the two tested equal; FLOPs: ``flops.py``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
 
 from ...registry import register_method
-from .._common import over_threads
 from .._masks import compute_dtype, compute_precision
 from ..softmax import softmax_attention
 from .attend import hybrid_core, window_starts
+from .index import numpy_path
 from .flops import flops
 from .options import HybridOptions, HybridPlan, plan
 
@@ -139,25 +143,17 @@ def _approximate(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, causal: 
     p = plan(o, Mv, causal)
     lo = window_starts(N, M, valid, p.window, causal)
     tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if q.device.type != "cpu" or tracked or torch.compiler.is_compiling():
+    kernel = None if tracked or not numpy_path(q.detach()) else _kernel()
+    if kernel is None:
         return hybrid_core(q, k, v, lo, causal, scale, p)
-    return _per_head(q, k, v, lo, causal, scale, p)
+    return kernel.hybrid_kernel(q, k, v, lo, scale, p)
 
 
-def _per_head(q, k, v, lo, causal, scale, p: HybridPlan) -> Tensor:
-    """:func:`hybrid_core` one (batch, head) at a time, the heads spread over torch's threads
-    with one whole head each (:func:`subquad.ops._common.over_threads`): what the CPU runs
-    without autograd. Measured at B=1, H=8, D=64 on 2 cores: 22% faster than all heads batched
-    at N = 16384 and 15% slower at 4096 on a quiet machine, and 2.0-2.4x faster with one busy
-    neighbour process, where each of the batched path's many small kernels waits at a barrier
-    for a descheduled thread."""
-    B, H, N, _ = q.shape
-    out = q.new_empty(B, H, N, v.shape[-1])
-
-    def head(j: int) -> None:
-        b, h = divmod(j, H)
-        one = slice(b, b + 1), slice(h, h + 1)
-        out[one] = hybrid_core(q[one], k[one], v[one], lo, causal, scale, p)
-
-    over_threads(head, B * H)
-    return out
+@functools.cache
+def _kernel():
+    """The compiled CPU kernel (:mod:`.kernel`), or None where numba does not import."""
+    try:
+        from . import kernel
+    except ImportError:  # pragma: no cover - numba is a dependency; a platform without its wheels
+        return None
+    return kernel

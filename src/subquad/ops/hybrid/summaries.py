@@ -59,9 +59,10 @@ def causal_summaries(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, num_summaries:
     cnt, ks, vs = _group_sums(F.pad(k, (0, 0, 0, extra)), F.pad(v, (0, 0, 0, extra)), valid, size)
     G = num_summaries
     a = lo.clamp_min(0)
-    g_a, r_a = (a // size).clamp_max(G - 1), a % size
+    g_a = (a // size).clamp_max(G - 1)
+    r_a = a - g_a * size  # up to ``size``: the whole last group when ``a`` is past it (window 0)
     full = torch.arange(G, device=q.device)[None, :] < g_a[:, None]  # (N, G)
-    pre_c, pre_k, pre_v = (F.pad(t.cumsum(3), (0, 0, 1, 0))[:, :, :, :-1] for t in (cnt, ks, vs))
+    pre_c, pre_k, pre_v = (F.pad(t.cumsum(3), (0, 0, 1, 0)) for t in (cnt, ks, vs))
     part_c, part_k, part_v = (t[:, :, g_a, r_a] for t in (pre_c, pre_k, pre_v))  # (B, H, N, .)
     tot_k, tot_v = ks.sum(3), vs.sum(3)
     qk = torch.cat([q @ tot_k.transpose(-2, -1), (q * part_k).sum(-1, keepdim=True)], dim=-1) * scale

@@ -1,0 +1,561 @@
+"""hybrid's forward on CPU as one compiled kernel (numba): for each (head, block of
+:data:`~.options.QUERY_BLOCK` queries), in one pass over cache-resident rows, the beam descent
+of the key tree, the candidate leaves, one matrix product that gives every logit the block needs
+(window, candidate keys, summaries), and per query the leaf scores, the top leaves, the
+summaries without the exact keys and one softmax. Tasks are spread over numba's threads; the
+matrix products call BLAS (scipy's, limited to one thread inside the kernel so that the two
+thread pools do not fight).
+
+It computes what :func:`.attend.hybrid_core` computes (the same selection; values equal to
+rounding) from the same key index (:func:`.index.build_index`), without autograd: the torch path
+stays for gradients, other devices, ``torch.compile`` and dispatch modes. Ties between equal
+scores may be broken differently. The first call compiles (about a minute, once per machine and
+dtype); the result is cached on disk (``cache=True``: beside this file, or in the user's cache
+directory when that is read-only).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import namedtuple
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from . import options as _options
+from .index import KeyIndex
+from .kernel_tree import build_index_compiled
+from .options import HybridPlan
+
+__all__ = ["available", "hybrid_kernel"]
+
+# numba's fastmath=True assumes no infinities and turns the -inf markers into NaN: only the flags
+# that keep them
+_FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
+_NEG = -np.inf
+
+
+def available(q: torch.Tensor) -> bool:
+    """Whether the kernel can run on ``q``: a float32/float64 CPU tensor."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+
+
+@njit(fastmath=_FAST, cache=True, inline="always")
+def _exp(x, out, n, bits):
+    """``out[:n] = exp(x[:n])`` for ``x <= 88`` (-inf -> 0). float32: a vectorised exp (Cody-Waite
+    reduction, degree-7 polynomial, the power of two built in ``bits``, an int32 scratch; relative
+    error < 3e-7), about 7x libm's scalar exp on AVX2; float64: libm's."""
+    if x.itemsize != 4:
+        for i in range(n):
+            out[i] = math.exp(x[i])
+        return
+    for i in range(n):
+        xi = max(x[i], np.float32(-87.0))
+        k = np.floor(xi * np.float32(1.4426950408889634) + np.float32(0.5))
+        r = (xi - k * np.float32(0.693145751953125)) - k * np.float32(1.428606765330187e-06)
+        p = np.float32(1 / 5040)
+        for c in (1 / 720, 1 / 120, 1 / 24, 1 / 6, 1 / 2, 1.0, 1.0):
+            p = p * r + np.float32(c)
+        out[i] = p if x[i] > np.float32(-87.0) else np.float32(0.0)
+        bits[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
+    scale = bits.view(np.float32)
+    for i in range(n):
+        out[i] *= scale[i]
+
+
+@njit(fastmath=_FAST, cache=True, inline="always")
+def _top(x, n, k, idx, val):
+    """The (at most) ``k`` largest finite-or-+inf entries of ``x[:n]``, best first, into ``idx``
+    and ``val``; returns how many (entries at -inf are never taken). Equal scores: the earlier."""
+    m = 0
+    for i in range(n):
+        s = x[i]
+        if not s > _NEG:
+            continue
+        if m < k:
+            pos = m
+            m += 1
+        elif s > val[m - 1]:
+            pos = m - 1
+        else:
+            continue
+        while pos > 0 and val[pos - 1] < s:
+            val[pos] = val[pos - 1]
+            idx[pos] = idx[pos - 1]
+            pos -= 1
+        val[pos] = s
+        idx[pos] = i
+    return m
+
+
+@njit(fastmath=_FAST, cache=True)
+def _children(node, score, n, level, sealed, cfg, count, child, base, straddle):
+    """The ``2 n`` children of the kept nodes, their log counts (``mass``; 0 for ``mean``; -inf
+    where dead, empty or, causal, outside the sealed chunks) and whether each straddles the sealed
+    end (a node split by position that must be opened)."""
+    slots, chunk_level, chunk, causal, mass = cfg[14], cfg[8], cfg[9], cfg[11], cfg[12]
+    size = slots >> level
+    for c in range(2 * n):
+        nd = 2 * node[c // 2] + (c & 1)
+        child[c] = nd
+        usable = score[c // 2] > _NEG
+        straddle[c] = False
+        if causal:
+            st = (nd - (1 << level)) * size
+            en = st + size
+            if level >= chunk_level:
+                st = st // chunk * chunk
+                en = st + chunk
+            elif st < sealed < en:
+                straddle[c] = usable
+            usable = usable and en <= sealed
+        cnt = count[nd]
+        if not usable or cnt == 0:
+            base[c] = _NEG
+        else:
+            base[c] = math.log(cnt) if mass else 0.0
+
+
+@njit(fastmath=_FAST, cache=True)
+def _descend(qd, nqd, sealed, cfg, count, mean, direction, ends, node, score, s):
+    """The beam descent of one block (:func:`.select.descend`): ``qd`` ``(64, D)`` scaled
+    queries, the first ``nqd`` scored. Leaves the final nodes (heap ids) in ``node`` and their
+    scores in ``score``; returns how many. ``s``: the worker's scratch."""
+    start, final, keep, mass = cfg[5], cfg[6], cfg[10], cfg[12]
+    n = 1 << start
+    for j in range(n):
+        node[j] = n + j
+        score[j] = 0.0
+    child, base, straddle, vbuf, cs, tmp = s.child, s.base, s.straddle, s.vbuf, s.cs, s.tmp
+    e0, e1, ex = s.e0, s.e1, s.ex
+    zero, neg = qd.dtype.type(0), qd.dtype.type(_NEG)
+    for level in range(start + 1, final + 1):
+        K = 2 * n
+        _children(node, score, n, level, sealed, cfg, count, child, base, straddle)
+        for c in range(K):
+            vbuf[c] = mean[child[c]]
+            vbuf[K + c] = direction[child[c]]
+        rows = 2 * K if mass else K
+        proj = s.pflat[: qd.shape[0] * rows].reshape(qd.shape[0], rows)
+        np.dot(qd, vbuf[:rows].T, proj)
+        for c in range(K):
+            cs[c] = _NEG
+            e0[c], e1[c] = ends[child[c], 0], ends[child[c], 1]
+        for j in range(nqd):
+            pr = proj[j]
+            mx = neg
+            for c in range(K):
+                x = base[c] + pr[c]
+                if mass:
+                    x += max(pr[K + c] * e0[c], pr[K + c] * e1[c])
+                tmp[c] = x
+                mx = max(mx, x)
+            lse = zero
+            if mx > neg:
+                for c in range(K):
+                    ex[c] = tmp[c] - mx
+                _exp(ex, ex, K, s.bits)
+                acc = zero
+                for c in range(K):
+                    acc += ex[c]
+                lse = mx + qd.dtype.type(math.log(acc))
+            for c in range(K):
+                cs[c] = max(cs[c], tmp[c] - lse)
+        for c in range(K):
+            if straddle[c]:
+                cs[c] = np.inf
+        n = _top(cs, K, keep, s.topi, s.topv)
+        for a in range(n):
+            node[a] = child[s.topi[a]]
+            score[a] = s.topv[a]
+    return n
+
+
+@njit(fastmath=_FAST, cache=True)
+def _candidates(node, score, nfin, sealed, lo_last, M, order, slot_valid, cfg, rank, ok):
+    """The candidate keys of one block, slot-major (key ``t`` of leaf ``l`` at ``t * L + l``, so
+    that a pass over a leaf's keys is a pass over whole rows): the sink leaves, the recent leaves
+    (causal: by rank from ``sealed``) and the leaves of the final nodes. ``rank``: clamped into
+    ``[0, M)``; ``ok``: whether it may be chosen (a sink key only through its sink leaf).
+    Returns the number of leaves ``L``."""
+    bs, sinks, final, depth, chunk, causal = cfg[1], cfg[4], cfg[6], cfg[7], cfg[9], cfg[11]
+    sink_keys = sinks * bs
+    recent = (max(lo_last - sealed, 0) + bs - 1) // bs if causal else 0
+    per_node = 1 << (depth - final)
+    L = sinks + recent + nfin * per_node
+    for t in range(bs):
+        for leaf in range(sinks + recent):
+            r = leaf * bs + t if leaf < sinks else sealed + (leaf - sinks) * bs + t
+            rank[t * L + leaf] = min(r, M - 1)
+            ok[t * L + leaf] = r < M and (leaf < sinks or r >= sink_keys)
+    leaf = sinks + recent
+    for a in range(nfin):
+        first = (node[a] - (1 << final)) * per_node * bs
+        for slot0 in range(first, first + per_node * bs, bs):
+            leaf_ok = score[a] > _NEG and (not causal or (slot0 // chunk + 1) * chunk <= sealed)
+            for t in range(bs):
+                r = order[slot0 + t]
+                rank[t * L + leaf] = min(r, M - 1)
+                ok[t * L + leaf] = leaf_ok and slot_valid[slot0 + t] and r >= sink_keys
+            leaf += 1
+    return L
+
+
+@njit(fastmath=_FAST, cache=True, inline="always")
+def _leaf_top(x, nleaf, cfg, s):
+    """The ``num_selected`` best candidate leaves of one query from its candidate keys' logits
+    ``x`` (slot-major; -inf where the query may not select the key), into ``s.topi``; returns
+    how many. Score (:func:`.select.leaf_scores`): the log-sum-exp (``mass``) or the mean of
+    the allowed keys' logits."""
+    bs, ns, mass = cfg[1], cfg[2], cfg[12]
+    L = nleaf
+    mx, sc = s.lmax, s.lscore
+    if not mass:
+        for leaf in range(L):
+            acc, n = x.dtype.type(0), 0
+            for t in range(bs):
+                if x[t * L + leaf] > _NEG:
+                    acc += x[t * L + leaf]
+                    n += 1
+            sc[leaf] = acc / n if n else _NEG
+        return _top(sc, L, ns, s.topi, s.topv)
+    ex = s.ex
+    for leaf in range(L):
+        m = x[leaf]
+        for t in range(1, bs):
+            m = max(m, x[t * L + leaf])
+        mx[leaf] = m if m > _NEG else 0.0
+    for t in range(bs):
+        for leaf in range(L):
+            ex[t * L + leaf] = x[t * L + leaf] - mx[leaf]
+    _exp(ex, ex, bs * L, s.bits)
+    for leaf in range(L):
+        acc = ex[leaf]
+        for t in range(1, bs):
+            acc += ex[t * L + leaf]
+        sc[leaf] = mx[leaf] + math.log(acc) if acc > 0.0 else _NEG
+    return _top(sc, L, ns, s.topi, s.topv)
+
+
+@njit(fastmath=_FAST, cache=True, inline="always")
+def _exact(p, lo, lo_first, M, nleaf, rank, cfg, s):
+    """One query's exact keys: its window (logits at ``p[r - lo_first]``) and the allowed keys of
+    its best candidate leaves (logits at ``p[U + e]``, -inf where not allowed), into ``s.xl``
+    (logits) and ``s.xr`` (ranks). Returns (number of exact keys, number of window keys)."""
+    w, bs = cfg[0], cfg[1]
+    U = s.dims[0]
+    x = p[U:]
+    m = _leaf_top(x, nleaf, cfg, s)
+    nx = 0
+    for r in range(max(lo, 0), min(lo + w, M)):
+        s.xl[nx] = p[r - lo_first]
+        s.xr[nx] = r
+        nx += 1
+    nwin = nx
+    for a in range(m):
+        for t in range(bs):
+            e = t * nleaf + s.topi[a]
+            if x[e] > _NEG:
+                s.xl[nx] = x[e]
+                s.xr[nx] = rank[e]
+                nx += 1
+    return nx, nwin
+
+
+@njit(fastmath=_FAST, cache=True, inline="always")
+def _columns(p, q, lo, M, nx, nwin, cfg, h, hd, s):
+    """One query's summary columns: logit sum ``s.cq`` and count ``s.cn`` of each coarse group
+    without the query's exact keys (non-causal: every exact key leaves its group; causal: the
+    groups before the one holding the window start ``a``, then that group's part before ``a``,
+    from prefix sums, and only selected keys leave), and each exact key's column ``s.xg`` (-1:
+    none). Returns the number of columns."""
+    G, causal, gs = cfg[3], cfg[11], cfg[13]
+    base = s.dims[0] + s.dims[1]  # the groups' rows in p
+    if not causal:
+        for c in range(G):
+            s.cq[c] = p[base + c]
+            s.cn[c] = hd.gcnt[h, c]
+        for x in range(nx):
+            g = hd.group_of[h, s.xr[x]]
+            s.xg[x] = g
+            s.cq[g] -= s.xl[x]
+            s.cn[g] -= 1.0
+        return G
+    a = max(lo, 0)
+    ga = min(a // gs, G - 1)
+    for c in range(G):
+        s.cq[c] = p[base + c] if c < ga else 0.0
+        s.cn[c] = hd.gcnt[h, c] if c < ga else 0.0
+    part = hd.prek[h, ga, a - ga * gs]
+    acc = q.dtype.type(0)
+    for d in range(q.shape[0]):
+        acc += q[d] * part[d]
+    s.cq[G] = acc
+    s.cn[G] = a - ga * gs
+    for x in range(nx):
+        s.xg[x] = -1
+    for x in range(nwin, nx):
+        g = s.xr[x] // gs
+        g = G if g == ga else g
+        s.xg[x] = g
+        s.cq[g] -= s.xl[x]
+        s.cn[g] -= 1.0
+    return G + 1
+
+
+@njit(fastmath=_FAST, cache=True, inline="always")
+def _softmax_row(v, nx, ncol, lo, cfg, h, hd, s, out):
+    """One query's output (:func:`.summaries.combine`): softmax over its exact keys and its
+    summary columns (logit: mean logit of what is left in the group, weight: its count)."""
+    G, causal, gs = cfg[3], cfg[11], cfg[13]
+    zero, one, neg = v.dtype.type(0), v.dtype.type(1), v.dtype.type(_NEG)
+    mx = neg
+    for x in range(nx):
+        mx = max(mx, s.xl[x])
+    for c in range(ncol):
+        lc = neg
+        if s.cn[c] >= 0.5:
+            lc = s.cq[c] / max(s.cn[c], one)
+        s.lc[c] = lc
+        mx = max(mx, lc)
+    if not (mx > neg and mx < np.inf):
+        mx = zero
+    ex = s.ex
+    for x in range(nx):
+        ex[x] = s.xl[x] - mx
+    for c in range(ncol):
+        ex[nx + c] = s.lc[c] - mx
+    _exp(ex, ex, nx + ncol, s.bits)
+    den = zero
+    for c in range(ncol):
+        s.lc[c] = ex[nx + c]
+        den += s.lc[c] * max(s.cn[c], zero)
+    out[:] = 0.0
+    for x in range(nx):
+        den += ex[x]
+        g = s.xg[x]
+        wgt = ex[x] - (s.lc[g] if g >= 0 else zero)
+        row = v[s.xr[x]]
+        for d in range(out.shape[0]):
+            out[d] += wgt * row[d]
+    for c in range(G):
+        if s.lc[c] > 0.0:
+            row = hd.gv[h, c]
+            for d in range(out.shape[0]):
+                out[d] += s.lc[c] * row[d]
+    if causal and s.lc[G] > 0.0:
+        a = max(lo, 0)
+        ga = min(a // gs, G - 1)
+        row = hd.prev[h, ga, a - ga * gs]
+        for d in range(out.shape[0]):
+            out[d] += s.lc[G] * row[d]
+    if den > 0.0:
+        for d in range(out.shape[0]):
+            out[d] /= den
+
+
+@njit(fastmath=_FAST, cache=True)
+def _mask_static(logits, U, C, lo_first, lo_last, cfg, s):
+    """Set to -inf the logits of the candidate keys no query of the block may select, and list
+    in ``s.dirty`` the keys some may and some may not (non-causal: in a window of the block,
+    ranks ``[lo_first, lo_last + w)``; causal: at or after the first window start). Returns how
+    many are dirty."""
+    w, causal = cfg[0], cfg[11]
+    nd = 0
+    for e in range(C):
+        r = s.rank[e]
+        if not s.ok[e]:
+            for j in range(logits.shape[0]):
+                logits[j, U + e] = _NEG
+        elif r >= lo_first and (causal or r < lo_last + w):
+            s.dirty[nd] = e
+            nd += 1
+    return nd
+
+
+@njit(fastmath=_FAST, cache=True)
+def _task(h, blk, qs, k, v, lo, cfg, hd, s, out):
+    """Outputs of block ``blk`` of head ``h``'s queries: descent, candidates, one product for
+    every logit, then each query's exact keys, summaries and softmax."""
+    w, bs, G, chunk, causal = cfg[0], cfg[1], cfg[3], cfg[9], cfg[11]
+    QB = s.qb.shape[0]
+    N, M = qs.shape[1], k.shape[1]
+    i0 = blk * QB
+    nq = min(QB, N - i0)
+    lo_first, lo_last = lo[i0], lo[i0 + nq - 1]
+    U = lo_last - lo_first + w
+    s.qb[:nq] = qs[h, i0: i0 + nq]
+    s.qb[nq:] = 0.0
+    sealed = 0
+    if causal:
+        sealed = max(max(lo_first, 0) // chunk - 1, 0) * chunk
+        for j in range(QB):  # the QB queries ending at the block's first one
+            s.qd[j] = qs[h, max(i0 - QB + 1 + j, 0)]
+        nfin = _descend(s.qd, QB, sealed, cfg, hd.count[h], hd.mean[h], hd.direction[h], hd.ends[h], s.node,
+                        s.score, s)
+    else:
+        nfin = _descend(s.qb, nq, sealed, cfg, hd.count[h], hd.mean[h], hd.direction[h], hd.ends[h], s.node,
+                        s.score, s)
+    nleaf = _candidates(s.node, s.score, nfin, sealed, lo_last, M, hd.order[h], hd.slot_valid[h], cfg, s.rank, s.ok)
+    C = nleaf * bs
+    E = U + C + G
+    D = k.shape[2]
+    kb, kh = s.kb, k[h]
+    for u in range(U):
+        r = min(max(lo_first + u, 0), M - 1)
+        for d in range(D):
+            kb[u, d] = kh[r, d]
+    for e in range(C):
+        r = s.rank[e]
+        for d in range(D):
+            kb[U + e, d] = kh[r, d]
+    for c in range(G):
+        for d in range(D):
+            kb[U + C + c, d] = hd.gk[h, c, d]
+    s.dims[0], s.dims[1] = U, C
+    logits = s.pflat[: QB * E].reshape(QB, E)
+    np.dot(s.qb, s.kb[:E].T, logits)
+    nd = _mask_static(logits, U, C, lo_first, lo_last, cfg, s)
+    for j in range(nq):
+        lo_i = lo[i0 + j]
+        row = logits[j]
+        for a in range(nd):  # keys the query may not select: in its window, or (causal) after it
+            e = s.dirty[a]
+            r = s.rank[e]
+            if r >= lo_i and (causal or r < lo_i + w):
+                row[U + e] = _NEG
+        nx, nwin = _exact(row, lo_i, lo_first, M, nleaf, s.rank, cfg, s)
+        ncol = _columns(logits[j], s.qb[j], lo_i, M, nx, nwin, cfg, h, hd, s)
+        _softmax_row(v[h], nx, ncol, lo_i, cfg, h, hd, s, out[h, i0 + j])
+
+
+Scratch = namedtuple("Scratch", "qb qd node score child base straddle vbuf cs tmp topi topv pflat rank ok kb dims "
+                                "lscore xl xr xg cq cn lc lmax dirty e0 e1 ex bits")
+Heads = namedtuple("Heads", "order slot_valid count mean direction ends gcnt gk gv group_of prek prev")
+
+
+@njit(cache=True)
+def _scratch(D, sizes, like):
+    """One worker's scratch, sized by ``sizes`` = (QB, nodes, children, exact keys, leaves,
+    candidate keys, gathered rows, product entries, columns)."""
+    QB, nodes, K, X, L, C, E, P, cols = sizes
+    dt = like.dtype
+    return Scratch(np.empty((QB, D), dt), np.empty((QB, D), dt), np.empty(nodes, np.int64), np.empty(nodes, dt),
+                   np.empty(K, np.int64), np.empty(K, dt), np.empty(K, np.bool_), np.empty((2 * K, D), dt),
+                   np.empty(K, dt), np.empty(K, dt), np.empty(max(nodes, L), np.int64), np.empty(max(nodes, L), dt),
+                   np.empty(P, dt), np.empty(C, np.int64), np.empty(C, np.bool_), np.empty((E, D), dt),
+                   np.zeros(2, np.int64), np.empty(L, dt), np.empty(X, dt), np.empty(X, np.int64),
+                   np.empty(X, np.int64), np.empty(cols, dt), np.empty(cols, dt), np.empty(cols, dt), np.empty(L, dt),
+                   np.empty(C, np.int64), np.empty(K, dt), np.empty(K, dt), np.empty(max(C, K, X + cols), dt),
+                   np.empty(max(C, K, X + cols), np.int32))
+
+
+@njit(parallel=True, fastmath=_FAST, cache=True)
+def _forward(qs, k, v, lo, cfg, sizes, hd, out):
+    """Every (head, query block) task, handed to numba's threads one at a time as they free up
+    (the caller sets a chunk size of 1): a thread the OS deschedules holds back only its task."""
+    BH, N = qs.shape[0], qs.shape[1]
+    QB = sizes[0]
+    nb = (N + QB - 1) // QB
+    for t in prange(BH * nb):
+        s = _scratch(qs.shape[2], sizes, qs)
+        _task(t // nb, t % nb, qs, k, v, lo, cfg, hd, s, out)
+
+
+def _summary_arrays(k: torch.Tensor, v: torch.Tensor, index: KeyIndex, p: HybridPlan):
+    """``(gcnt, gk, gv, group_of, prek, prev)`` per head ``(BH, ...)``: each coarse group's
+    count and key and value sums; non-causal (groups of slots) the group of every key rank;
+    causal (groups of ``gs`` ranks) the sums of each group's keys and values before each rank,
+    ``(BH, G, gs + 1, .)``."""
+    BH, M, D = k.shape
+    G = p.num_summaries
+    if not p.causal:
+        size = p.slots // G
+        order = index.order.reshape(BH, -1)
+        valid = index.slot_valid.reshape(BH, -1, 1).to(k.dtype)
+        rows = order.clamp_max(M - 1)
+        ko = k.gather(1, rows[..., None].expand(-1, -1, D)) * valid
+        vo = v.gather(1, rows[..., None].expand(-1, -1, v.shape[-1])) * valid
+        gcnt = valid.view(BH, G, size).sum(-1)
+        group = (torch.arange(order.shape[1]) // size).expand(BH, -1)
+        group_of = torch.empty_like(order).scatter_(1, order, group)[:, :M]
+        none = k.new_zeros(BH, 1, 1, 1)
+        return gcnt, ko.view(BH, G, size, D).sum(2), vo.view(BH, G, size, -1).sum(2), group_of, none, none
+    gs = _causal_group_size(M, p)
+    extra = gs * G - M
+    kp = torch.nn.functional.pad(k, (0, 0, 0, extra)).view(BH, G, gs, D)
+    vp = torch.nn.functional.pad(v, (0, 0, 0, extra)).view(BH, G, gs, -1)
+    gcnt = (torch.arange(gs * G) < M).to(k.dtype).view(G, gs).sum(-1).expand(BH, G)
+    prek = torch.nn.functional.pad(kp.cumsum(2), (0, 0, 1, 0))
+    prev = torch.nn.functional.pad(vp.cumsum(2), (0, 0, 1, 0))
+    return gcnt, kp.sum(2), vp.sum(2), torch.zeros(BH, 1, dtype=torch.long), prek, prev
+
+
+def _causal_group_size(M: int, p: HybridPlan) -> int:
+    return -(-M // (p.num_summaries * p.block_size)) * p.block_size
+
+
+def _sizes(lo: list[int], N: int, M: int, p: HybridPlan, D: int) -> np.ndarray:
+    """Scratch sizes for :func:`_scratch` from the window starts and the plan."""
+    QB, bs = _options.QUERY_BLOCK, p.block_size
+    keep = p.beam + p.causal
+    nodes = max(keep, 1 << p.start_level) if p.final_level > p.start_level else 1 << p.start_level
+    per_node = 1 << (p.depth - p.final_level)
+    U = recent = 0
+    for i0 in range(0, N, QB):
+        first, last = lo[i0], lo[min(i0 + QB, N) - 1]
+        U = max(U, last - first + p.window)
+        if p.causal:
+            sealed = max(max(first, 0) // p.chunk_size - 1, 0) * p.chunk_size
+            recent = max(recent, -(-max(last - sealed, 0) // bs))
+    L = p.sinks + recent + nodes * per_node
+    K = 2 * nodes
+    E = U + L * bs + p.num_summaries
+    return np.array([QB, nodes, K, p.window + p.num_selected * bs, L, L * bs, E, QB * max(E, 2 * K),
+                     p.num_summaries + 1], dtype=np.int64)
+
+
+@functools.cache
+def _blas():
+    """The BLAS libraries the kernel's products call (scipy's, loaded by numba's ``np.dot``), to
+    limit to one thread inside the kernel: each of its threads calls BLAS on its own block, and
+    a threaded BLAS inside them would oversubscribe the cores (measured: 2.2x slower on 2 cores)."""
+    import scipy.linalg.cython_blas  # noqa: F401  (loaded before the controller looks)
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController().select(user_api="blas")
+
+
+def hybrid_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: list[int], scale: float,
+                  p: HybridPlan) -> torch.Tensor:
+    """:func:`.attend.hybrid_core`'s output, computed by the kernel: ``q`` ``(B, H, N, D)``,
+    real keys ``k``, ``v`` ``(B, H, M, .)`` in rank order (float32 or float64, CPU), window starts
+    ``lo`` (one per query). No autograd."""
+    import numba
+
+    B, H, N, D = q.shape
+    M, Dv = k.shape[2], v.shape[-1]
+    BH = B * H
+    kf, vf = k.reshape(BH, M, D), v.reshape(BH, M, Dv)
+    index, _ = build_index_compiled(k, p)
+    gcnt, gk, gv, group_of, prek, prev = _summary_arrays(kf, vf, index, p)
+    heads = Heads(*(t.reshape(BH, *t.shape[2:]).contiguous().numpy() for t in
+                    (index.order, index.slot_valid, index.count, index.mean, index.direction, index.ends)),
+                  *(t.contiguous().numpy() for t in (gcnt, gk, gv, group_of, prek, prev)))
+    gs = _causal_group_size(M, p) if p.causal else 0
+    cfg = np.array([p.window, p.block_size, p.num_selected, p.num_summaries, p.sinks, p.start_level, p.final_level,
+                    p.depth, p.chunk_level, p.chunk_size, p.beam + p.causal, p.causal, p.scoring == "mass", gs,
+                    p.slots], dtype=np.int64)
+    qs = (q * scale).reshape(BH, N, D).contiguous().numpy()
+    out = np.empty((BH, N, Dv), dtype=qs.dtype)
+    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+    chunk = numba.set_parallel_chunksize(1)
+    try:
+        with _blas().limit(limits=1):
+            _forward(qs, kf.contiguous().numpy(), vf.contiguous().numpy(), np.asarray(lo, dtype=np.int64), cfg,
+                     _sizes(lo, N, M, p, D), heads, out)
+    finally:
+        numba.set_parallel_chunksize(chunk)
+    return torch.from_numpy(out).view(B, H, N, Dv)

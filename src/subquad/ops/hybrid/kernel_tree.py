@@ -1,0 +1,181 @@
+"""hybrid's key index on CPU as compiled code (numba): the tree of :func:`.index.build_index`
+(same splits, same node summaries, to rounding), built level by level with the nodes of all
+heads spread over numba's threads, each node's keys moved once per level so that every pass over
+a node reads contiguous rows. Used by :mod:`.kernel`; no autograd."""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+import torch
+from numba import njit, prange
+
+from .index import KeyIndex
+from .options import HybridPlan
+
+__all__ = ["build_index_compiled"]
+
+_FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
+
+
+@njit(fastmath=_FAST, cache=True, inline="always")
+def _centred(x, w, mean, u, out):
+    """``out[j] = ((x_j - mean) . u) w_j`` for the rows of ``x``."""
+    zero = x.dtype.type(0)
+    mu = zero
+    for d in range(x.shape[1]):
+        mu += mean[d] * u[d]
+    for j in range(x.shape[0]):
+        acc = zero
+        for d in range(x.shape[1]):
+            acc += x[j, d] * u[d]
+        out[j] = (acc - mu) * w[j]
+
+
+@njit(fastmath=_FAST, cache=True)
+def _node_stats(x, w, iterations, mean, u, acc, proj):
+    """Summary of one node (:func:`.index.node_stats`): rows ``x`` ``(m, D)``, validity ``w``
+    (1/0). Writes the mean, the unit principal direction ``u`` (power iteration from the key
+    farthest from the mean) and the projections ``proj`` (0 at invalid rows); returns the count.
+    ``acc``: scratch of ``D``."""
+    m, D = x.shape
+    zero = x.dtype.type(0)
+    count = 0.0
+    mean[:] = 0.0
+    for j in range(m):
+        if w[j] > 0:
+            count += 1.0
+            for d in range(D):
+                mean[d] += x[j, d]
+    for d in range(D):
+        mean[d] /= max(count, 1.0)
+    far, best = 0, -1.0
+    for j in range(m):
+        dist = zero
+        for d in range(D):
+            dist += (x[j, d] - mean[d]) ** 2
+        dist *= w[j]
+        if dist > best:
+            far, best = j, dist
+    for d in range(D):
+        u[d] = x[far, d] - mean[d]
+    for _ in range(iterations):  # u <- sum_j ((x_j - mean) . u) w_j (x_j - mean), one pass over the rows
+        mu = zero
+        for d in range(D):
+            mu += mean[d] * u[d]
+        acc[:] = 0.0
+        total = zero
+        for j in range(m):
+            pj = zero
+            for d in range(D):
+                pj += x[j, d] * u[d]
+            pj = (pj - mu) * w[j]
+            total += pj
+            for d in range(D):
+                acc[d] += pj * x[j, d]
+        norm = 0.0
+        for d in range(D):
+            u[d] = acc[d] - mean[d] * total
+            norm += u[d] * u[d]
+        norm = max(math.sqrt(norm), 1e-30)
+        for d in range(D):
+            u[d] /= norm
+    _centred(x, w, mean, u, proj)
+    return count
+
+
+@njit(cache=True)
+def _select_half(val, idx, m):
+    """Reorder ``idx[:m]`` (with ``val``, its keys) so that its first ``m / 2`` entries are the
+    ones with the ``m / 2`` smallest values (quickselect; the order within each half arbitrary)."""
+    lo, hi, k = 0, m - 1, m // 2 - 1
+    while lo < hi:
+        pivot = val[(lo + hi) // 2]
+        i, j = lo, hi
+        while i <= j:
+            while val[i] < pivot:
+                i += 1
+            while val[j] > pivot:
+                j -= 1
+            if i <= j:
+                val[i], val[j] = val[j], val[i]
+                idx[i], idx[j] = idx[j], idx[i]
+                i += 1
+                j -= 1
+        if k <= j:
+            hi = j
+        elif k >= i:
+            lo = i
+        else:
+            break
+
+
+@njit(parallel=True, fastmath=_FAST, cache=True)
+def _level(level, scored, split, iterations, x, valid, order, xn, vn, on, count, mean, direction, ends, proj, idx):
+    """One level of every head's tree: each node's summary (into the heap when ``scored``) and,
+    when ``split``, its keys reordered into ``xn``/``vn``/``on`` with the half of smaller
+    projections first (empty slots project to +inf)."""
+    BH, S, D = x.shape
+    nodes = 1 << level
+    m = S // nodes
+    for t in prange(BH * nodes):
+        h, nd = t // nodes, t % nodes
+        a = nd * m
+        xs, ws, pr = x[h, a: a + m], valid[h, a: a + m], proj[h, a: a + m]
+        mu, u, acc = np.empty(D, x.dtype), np.empty(D, x.dtype), np.empty(D, x.dtype)
+        c = _node_stats(xs, ws, iterations, mu, u, acc, pr)
+        if scored:
+            hp = nodes + nd
+            count[h, hp] = c
+            mean[h, hp], direction[h, hp] = mu, u
+            ends[h, hp, 0], ends[h, hp, 1] = pr.max(), pr.min()
+        if split:
+            ix = idx[h, a: a + m]
+            for j in range(m):
+                ix[j] = j
+                if ws[j] == 0:
+                    pr[j] = np.inf
+            _select_half(pr, ix, m)
+            for j in range(m):
+                src = a + ix[j]
+                for d in range(D):
+                    xn[h, a + j, d] = x[h, src, d]
+                vn[h, a + j] = valid[h, src]
+                on[h, a + j] = order[h, src]
+
+
+def build_index_compiled(k: torch.Tensor, p: HybridPlan) -> tuple[KeyIndex, torch.Tensor]:
+    """:func:`.index.build_index` of keys ``k`` ``(B, H, M, D)`` (float32/float64, CPU), and the
+    keys in slot order ``(B, H, S, D)`` (zero at empty slots)."""
+    B, H, M, D = k.shape
+    BH, S = B * H, p.slots
+    dt = k.numpy().dtype if k.dtype in (torch.float32, torch.float64) else np.float32
+    x = np.zeros((BH, S, D), dt)
+    x[:, :M] = k.reshape(BH, M, D).numpy()
+    order = np.ascontiguousarray(np.broadcast_to(np.arange(S, dtype=np.int64), (BH, S)))
+    valid = (order < M).astype(dt)
+    xn, vn, on = np.empty_like(x), np.empty_like(valid), np.empty_like(order)
+    heap = 1 << (p.final_level + 1)
+    count, ends = np.zeros((BH, heap), dt), np.zeros((BH, heap, 2), dt)
+    mean, direction = np.zeros((BH, heap, D), dt), np.zeros((BH, heap, D), dt)
+    proj, idx = np.empty((BH, S), dt), np.empty((BH, S), np.int64)
+    chunk = numba.set_parallel_chunksize(1)  # nodes handed out as threads free up
+    try:
+        for level in range(p.depth + 1):
+            scored = p.start_level < level <= p.final_level
+            split = p.chunk_level <= level < p.depth
+            if scored or split:
+                _level(level, scored, split, p.tree_iterations, x, valid, order, xn, vn, on, count, mean,
+                       direction, ends, proj, idx)
+            if split:
+                x, xn, valid, vn, order, on = xn, x, vn, valid, on, order
+    finally:
+        numba.set_parallel_chunksize(chunk)
+
+    def t(a):
+        return torch.from_numpy(a).view(B, H, *a.shape[1:])
+
+    index = KeyIndex(t(order), t(valid > 0), t(count), t(mean), t(direction), t(ends))
+    return index, t(x)
