@@ -1,4 +1,8 @@
-"""Where ``hybrid``'s forward time goes, and how it scales from one thread to two.
+"""Where the forward time of ``hybrid``'s torch path goes, and how it scales from one thread to two.
+
+The torch path is what runs with gradients, on other devices and under ``torch.compile``; a CPU
+call without autograd runs the compiled kernel instead (``hybrid_speed.md``), which this script
+switches off.
 
     python benchmarks/hybrid_profile.py --out benchmarks/results        # N = 16384
     python benchmarks/hybrid_profile.py --n 2048 --rounds 2 --out /tmp/hp   # smoke run
@@ -31,6 +35,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import subquad
+import subquad.ops.hybrid as hybrid
 
 #: the stages hybrid names with torch.profiler.record_function
 STAGES = ["hybrid.index", "hybrid.descend", "hybrid.summaries", "hybrid.attend"]
@@ -141,6 +146,7 @@ def main() -> None:
     ap.add_argument("--note", default="")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    hybrid._kernel = lambda: None  # the torch path, whose stages torch.profiler sees
     threads_before = torch.get_num_threads()
     res = {"stages": stages(args.n, args.rounds), "kernels": kernels(args.n)}
     torch.set_num_threads(threads_before)

@@ -97,3 +97,10 @@ def test_one_thread_and_bf16_input():
     assert out.dtype == torch.bfloat16
     ref = hybrid_attention(*(x.float() for x in low), budget=32)
     torch.testing.assert_close(out, ref.bfloat16(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_head(causal):
+    q, k, v = qkv(1, 1, 600, 16, seed=9)
+    out, ref = _both(q, k, v, causal)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)

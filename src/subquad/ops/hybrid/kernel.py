@@ -26,7 +26,7 @@ from numba import njit, prange
 
 from . import options as _options
 from .index import KeyIndex
-from .kernel_tree import build_index_compiled
+from .kernel_tree import build_index_compiled, reused
 from .options import HybridPlan
 
 __all__ = ["available", "hybrid_kernel"]
@@ -135,8 +135,9 @@ def _descend(qd, nqd, sealed, cfg, count, mean, direction, ends, node, score, s)
         K = 2 * n
         _children(node, score, n, level, sealed, cfg, count, child, base, straddle)
         for c in range(K):
-            vbuf[c] = mean[child[c]]
-            vbuf[K + c] = direction[child[c]]
+            for d in range(vbuf.shape[1]):
+                vbuf[c, d] = mean[child[c], d]
+                vbuf[K + c, d] = direction[child[c], d]
         rows = 2 * K if mass else K
         proj = s.pflat[: qd.shape[0] * rows].reshape(qd.shape[0], rows)
         np.dot(qd, vbuf[:rows].T, proj)
@@ -207,11 +208,13 @@ def _candidates(node, score, nfin, sealed, lo_last, M, order, slot_valid, cfg, r
 def _leaf_top(x, nleaf, cfg, s):
     """The ``num_selected`` best candidate leaves of one query from its candidate keys' logits
     ``x`` (slot-major; -inf where the query may not select the key), into ``s.topi``; returns
-    how many. Score (:func:`.select.leaf_scores`): the log-sum-exp (``mass``) or the mean of
-    the allowed keys' logits."""
+    how many. Score (:func:`.select.leaf_scores`): the log-sum-exp (``mass``; ranked by
+    ``exp(score - best key's logit)``, the same order without a log per leaf; a leaf more than
+    87 below the best key, where that underflows, is not taken) or the mean of the allowed keys'
+    logits."""
     bs, ns, mass = cfg[1], cfg[2], cfg[12]
     L = nleaf
-    mx, sc = s.lmax, s.lscore
+    sc = s.lscore
     if not mass:
         for leaf in range(L):
             acc, n = x.dtype.type(0), 0
@@ -222,20 +225,22 @@ def _leaf_top(x, nleaf, cfg, s):
             sc[leaf] = acc / n if n else _NEG
         return _top(sc, L, ns, s.topi, s.topv)
     ex = s.ex
-    for leaf in range(L):
-        m = x[leaf]
-        for t in range(1, bs):
-            m = max(m, x[t * L + leaf])
-        mx[leaf] = m if m > _NEG else 0.0
+    top = x.dtype.type(_NEG)
+    for e in range(bs * L):
+        top = max(top, x[e])
+    if not top > _NEG:
+        return 0
     for t in range(bs):
         for leaf in range(L):
-            ex[t * L + leaf] = x[t * L + leaf] - mx[leaf]
+            ex[t * L + leaf] = x[t * L + leaf] - top
     _exp(ex, ex, bs * L, s.bits)
     for leaf in range(L):
-        acc = ex[leaf]
-        for t in range(1, bs):
-            acc += ex[t * L + leaf]
-        sc[leaf] = mx[leaf] + math.log(acc) if acc > 0.0 else _NEG
+        sc[leaf] = ex[leaf]
+    for t in range(1, bs):
+        for leaf in range(L):
+            sc[leaf] += ex[t * L + leaf]
+    for leaf in range(L):  # exp(score - top): the same order as the score; 0 -> never taken
+        sc[leaf] = sc[leaf] if sc[leaf] > 0 else _NEG
     return _top(sc, L, ns, s.topi, s.topv)
 
 
@@ -432,7 +437,7 @@ def _task(h, blk, qs, k, v, lo, cfg, hd, s, out):
 
 
 Scratch = namedtuple("Scratch", "qb qd node score child base straddle vbuf cs tmp topi topv pflat rank ok kb dims "
-                                "lscore xl xr xg cq cn lc lmax dirty e0 e1 ex bits")
+                                "lscore xl xr xg cq cn lc dirty e0 e1 ex bits")
 Heads = namedtuple("Heads", "order slot_valid count mean direction ends gcnt gk gv group_of prek prev")
 
 
@@ -447,7 +452,7 @@ def _scratch(D, sizes, like):
                    np.empty(K, dt), np.empty(K, dt), np.empty(max(nodes, L), np.int64), np.empty(max(nodes, L), dt),
                    np.empty(P, dt), np.empty(C, np.int64), np.empty(C, np.bool_), np.empty((E, D), dt),
                    np.zeros(2, np.int64), np.empty(L, dt), np.empty(X, dt), np.empty(X, np.int64),
-                   np.empty(X, np.int64), np.empty(cols, dt), np.empty(cols, dt), np.empty(cols, dt), np.empty(L, dt),
+                   np.empty(X, np.int64), np.empty(cols, dt), np.empty(cols, dt), np.empty(cols, dt),
                    np.empty(C, np.int64), np.empty(K, dt), np.empty(K, dt), np.empty(max(C, K, X + cols), dt),
                    np.empty(max(C, K, X + cols), np.int32))
 
@@ -464,25 +469,44 @@ def _forward(qs, k, v, lo, cfg, sizes, hd, out):
         _task(t // nb, t % nb, qs, k, v, lo, cfg, hd, s, out)
 
 
-def _summary_arrays(k: torch.Tensor, v: torch.Tensor, index: KeyIndex, p: HybridPlan):
-    """``(gcnt, gk, gv, group_of, prek, prev)`` per head ``(BH, ...)``: each coarse group's
-    count and key and value sums; non-causal (groups of slots) the group of every key rank;
-    causal (groups of ``gs`` ranks) the sums of each group's keys and values before each rank,
-    ``(BH, G, gs + 1, .)``."""
+@njit(parallel=True, cache=True)
+def _tree_groups(order, valid, keys, v, gcnt, gk, gv, group_of):
+    """Non-causal coarse groups (runs of slots of the key tree): count, key and value sums, and
+    the group of every key rank; ``keys``: the keys in slot order (zero at empty slots)."""
+    BH, G = gcnt.shape
+    size = order.shape[1] // G
+    for t in prange(BH * G):
+        h, c = t // G, t % G
+        gk[h, c] = 0.0
+        gv[h, c] = 0.0
+        n = 0
+        for slot in range(c * size, (c + 1) * size):
+            if valid[h, slot]:
+                r = order[h, slot]
+                n += 1
+                group_of[h, r] = c
+                for d in range(keys.shape[2]):
+                    gk[h, c, d] += keys[h, slot, d]
+                for d in range(v.shape[2]):
+                    gv[h, c, d] += v[h, r, d]
+        gcnt[h, c] = n
+
+
+def _summary_arrays(k: torch.Tensor, v: torch.Tensor, index: KeyIndex, keys: torch.Tensor, p: HybridPlan):
+    """``(gcnt, gk, gv, group_of, prek, prev)`` per head ``(BH, ...)``, numpy: each coarse
+    group's count and key and value sums; non-causal (groups of slots; ``keys`` in slot order) the
+    group of every key rank; causal (groups of ``gs`` ranks) the sums of each group's keys and
+    values before each rank, ``(BH, G, gs + 1, .)``."""
     BH, M, D = k.shape
     G = p.num_summaries
     if not p.causal:
-        size = p.slots // G
-        order = index.order.reshape(BH, -1)
-        valid = index.slot_valid.reshape(BH, -1, 1).to(k.dtype)
-        rows = order.clamp_max(M - 1)
-        ko = k.gather(1, rows[..., None].expand(-1, -1, D)) * valid
-        vo = v.gather(1, rows[..., None].expand(-1, -1, v.shape[-1])) * valid
-        gcnt = valid.view(BH, G, size).sum(-1)
-        group = (torch.arange(order.shape[1]) // size).expand(BH, -1)
-        group_of = torch.empty_like(order).scatter_(1, order, group)[:, :M]
-        none = k.new_zeros(BH, 1, 1, 1)
-        return gcnt, ko.view(BH, G, size, D).sum(2), vo.view(BH, G, size, -1).sum(2), group_of, none, none
+        dt = k.numpy().dtype
+        gcnt, gk, gv = np.empty((BH, G), dt), np.empty((BH, G, D), dt), np.empty((BH, G, v.shape[-1]), dt)
+        group_of = np.zeros((BH, M), np.int64)
+        _tree_groups(index.order.reshape(BH, -1).numpy(), index.slot_valid.reshape(BH, -1).numpy(),
+                     keys.reshape(BH, -1, D).numpy(), v.numpy(), gcnt, gk, gv, group_of)
+        none = np.zeros((BH, 1, 1, 1), dt)
+        return gcnt, gk, gv, group_of, none, none
     gs = _causal_group_size(M, p)
     extra = gs * G - M
     kp = torch.nn.functional.pad(k, (0, 0, 0, extra)).view(BH, G, gs, D)
@@ -490,7 +514,8 @@ def _summary_arrays(k: torch.Tensor, v: torch.Tensor, index: KeyIndex, p: Hybrid
     gcnt = (torch.arange(gs * G) < M).to(k.dtype).view(G, gs).sum(-1).expand(BH, G)
     prek = torch.nn.functional.pad(kp.cumsum(2), (0, 0, 1, 0))
     prev = torch.nn.functional.pad(vp.cumsum(2), (0, 0, 1, 0))
-    return gcnt, kp.sum(2), vp.sum(2), torch.zeros(BH, 1, dtype=torch.long), prek, prev
+    return tuple(t.contiguous().numpy() for t in (gcnt, kp.sum(2), vp.sum(2), torch.zeros(BH, 1, dtype=torch.long),
+                                                  prek, prev))
 
 
 def _causal_group_size(M: int, p: HybridPlan) -> int:
@@ -538,17 +563,17 @@ def hybrid_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: list[in
     B, H, N, D = q.shape
     M, Dv = k.shape[2], v.shape[-1]
     BH = B * H
-    kf, vf = k.reshape(BH, M, D), v.reshape(BH, M, Dv)
-    index, _ = build_index_compiled(k, p)
-    gcnt, gk, gv, group_of, prek, prev = _summary_arrays(kf, vf, index, p)
+    kf, vf = k.reshape(BH, M, D).contiguous(), v.reshape(BH, M, Dv).contiguous()
+    index, keys = build_index_compiled(k, p)
     heads = Heads(*(t.reshape(BH, *t.shape[2:]).contiguous().numpy() for t in
                     (index.order, index.slot_valid, index.count, index.mean, index.direction, index.ends)),
-                  *(t.contiguous().numpy() for t in (gcnt, gk, gv, group_of, prek, prev)))
+                  *_summary_arrays(kf, vf, index, keys, p))
     gs = _causal_group_size(M, p) if p.causal else 0
     cfg = np.array([p.window, p.block_size, p.num_selected, p.num_summaries, p.sinks, p.start_level, p.final_level,
                     p.depth, p.chunk_level, p.chunk_size, p.beam + p.causal, p.causal, p.scoring == "mass", gs,
                     p.slots], dtype=np.int64)
-    qs = (q * scale).reshape(BH, N, D).contiguous().numpy()
+    qs = reused("qs", (BH, N, D), kf.numpy().dtype)
+    torch.mul(q.reshape(BH, N, D), scale, out=torch.from_numpy(qs))
     out = np.empty((BH, N, Dv), dtype=qs.dtype)
     numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
     chunk = numba.set_parallel_chunksize(1)
