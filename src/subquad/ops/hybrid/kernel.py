@@ -248,7 +248,8 @@ def _leaf_top(x, nleaf, cfg, s):
 def _exact(p, lo, lo_first, M, nleaf, rank, cfg, s):
     """One query's exact keys: its window (logits at ``p[r - lo_first]``) and the allowed keys of
     its best candidate leaves (logits at ``p[U + e]``, -inf where not allowed), into ``s.xl``
-    (logits) and ``s.xr`` (ranks). Returns (number of exact keys, number of window keys)."""
+    (logits), ``s.xr`` (ranks) and ``s.xv`` (rows of ``s.vb``). Returns (number of exact keys,
+    number of window keys)."""
     w, bs = cfg[0], cfg[1]
     U = s.dims[0]
     x = p[U:]
@@ -257,6 +258,7 @@ def _exact(p, lo, lo_first, M, nleaf, rank, cfg, s):
     for r in range(max(lo, 0), min(lo + w, M)):
         s.xl[nx] = p[r - lo_first]
         s.xr[nx] = r
+        s.xv[nx] = r - lo_first
         nx += 1
     nwin = nx
     for a in range(m):
@@ -265,6 +267,7 @@ def _exact(p, lo, lo_first, M, nleaf, rank, cfg, s):
             if x[e] > _NEG:
                 s.xl[nx] = x[e]
                 s.xr[nx] = rank[e]
+                s.xv[nx] = U + e
                 nx += 1
     return nx, nwin
 
@@ -311,11 +314,12 @@ def _columns(p, q, lo, M, nx, nwin, cfg, h, hd, s):
 
 
 @njit(fastmath=_FAST, cache=True, inline="always")
-def _softmax_row(v, nx, ncol, lo, cfg, h, hd, s, out):
-    """One query's output (:func:`.summaries.combine`): softmax over its exact keys and its
-    summary columns (logit: mean logit of what is left in the group, weight: its count)."""
+def _softmax_row(vb, nx, ncol, lo, cfg, h, hd, s, out):
+    """One query's output (:func:`.summaries.combine`): softmax over its exact keys (values: rows
+    ``s.xv`` of ``vb``) and its summary columns (logit: mean logit of what is left in the group,
+    weight: its count)."""
     G, causal, gs = cfg[3], cfg[11], cfg[13]
-    zero, one, neg = v.dtype.type(0), v.dtype.type(1), v.dtype.type(_NEG)
+    zero, one, neg = vb.dtype.type(0), vb.dtype.type(1), vb.dtype.type(_NEG)
     mx = neg
     for x in range(nx):
         mx = max(mx, s.xl[x])
@@ -342,9 +346,9 @@ def _softmax_row(v, nx, ncol, lo, cfg, h, hd, s, out):
         den += ex[x]
         g = s.xg[x]
         wgt = ex[x] - (s.lc[g] if g >= 0 else zero)
-        row = v[s.xr[x]]
+        row = s.xv[x]
         for d in range(out.shape[0]):
-            out[d] += wgt * row[d]
+            out[d] += wgt * vb[row, d]
     for c in range(G):
         if s.lc[c] > 0.0:
             row = hd.gv[h, c]
@@ -381,6 +385,25 @@ def _mask_static(logits, U, C, lo_first, lo_last, cfg, s):
 
 
 @njit(fastmath=_FAST, cache=True)
+def _gather_rows(k, v, gk, lo_first, U, C, s):
+    """The block's rows, so that every later pass reads them from cache: keys ``s.kb`` (window
+    ranks from ``lo_first``, candidate keys, then the coarse groups' key sums) and values ``s.vb``
+    (window, candidates)."""
+    M, D, Dv = k.shape[0], k.shape[1], v.shape[1]
+    kb, vb = s.kb, s.vb
+    for u in range(U + C):
+        r = min(max(lo_first + u, 0), M - 1) if u < U else s.rank[u - U]
+        for d in range(D):
+            kb[u, d] = k[r, d]
+        for d in range(Dv):
+            vb[u, d] = v[r, d]
+    for c in range(gk.shape[0]):
+        for d in range(D):
+            kb[U + C + c, d] = gk[c, d]
+    s.dims[0], s.dims[1] = U, C
+
+
+@njit(fastmath=_FAST, cache=True)
 def _task(h, blk, qs, k, v, lo, cfg, hd, s, out):
     """Outputs of block ``blk`` of head ``h``'s queries: descent, candidates, one product for
     every logit, then each query's exact keys, summaries and softmax."""
@@ -406,20 +429,7 @@ def _task(h, blk, qs, k, v, lo, cfg, hd, s, out):
     nleaf = _candidates(s.node, s.score, nfin, sealed, lo_last, M, hd.order[h], hd.slot_valid[h], cfg, s.rank, s.ok)
     C = nleaf * bs
     E = U + C + G
-    D = k.shape[2]
-    kb, kh = s.kb, k[h]
-    for u in range(U):
-        r = min(max(lo_first + u, 0), M - 1)
-        for d in range(D):
-            kb[u, d] = kh[r, d]
-    for e in range(C):
-        r = s.rank[e]
-        for d in range(D):
-            kb[U + e, d] = kh[r, d]
-    for c in range(G):
-        for d in range(D):
-            kb[U + C + c, d] = hd.gk[h, c, d]
-    s.dims[0], s.dims[1] = U, C
+    _gather_rows(k[h], v[h], hd.gk[h], lo_first, U, C, s)
     logits = s.pflat[: QB * E].reshape(QB, E)
     np.dot(s.qb, s.kb[:E].T, logits)
     nd = _mask_static(logits, U, C, lo_first, lo_last, cfg, s)
@@ -433,16 +443,16 @@ def _task(h, blk, qs, k, v, lo, cfg, hd, s, out):
                 row[U + e] = _NEG
         nx, nwin = _exact(row, lo_i, lo_first, M, nleaf, s.rank, cfg, s)
         ncol = _columns(logits[j], s.qb[j], lo_i, M, nx, nwin, cfg, h, hd, s)
-        _softmax_row(v[h], nx, ncol, lo_i, cfg, h, hd, s, out[h, i0 + j])
+        _softmax_row(s.vb, nx, ncol, lo_i, cfg, h, hd, s, out[h, i0 + j])
 
 
 Scratch = namedtuple("Scratch", "qb qd node score child base straddle vbuf cs tmp topi topv pflat rank ok kb dims "
-                                "lscore xl xr xg cq cn lc dirty e0 e1 ex bits")
+                                "lscore xl xr xg cq cn lc dirty e0 e1 ex bits vb xv")
 Heads = namedtuple("Heads", "order slot_valid count mean direction ends gcnt gk gv group_of prek prev")
 
 
 @njit(cache=True)
-def _scratch(D, sizes, like):
+def _scratch(D, Dv, sizes, like):
     """One worker's scratch, sized by ``sizes`` = (QB, nodes, children, exact keys, leaves,
     candidate keys, gathered rows, product entries, columns)."""
     QB, nodes, K, X, L, C, E, P, cols = sizes
@@ -454,7 +464,7 @@ def _scratch(D, sizes, like):
                    np.zeros(2, np.int64), np.empty(L, dt), np.empty(X, dt), np.empty(X, np.int64),
                    np.empty(X, np.int64), np.empty(cols, dt), np.empty(cols, dt), np.empty(cols, dt),
                    np.empty(C, np.int64), np.empty(K, dt), np.empty(K, dt), np.empty(max(C, K, X + cols), dt),
-                   np.empty(max(C, K, X + cols), np.int32))
+                   np.empty(max(C, K, X + cols), np.int32), np.empty((E, Dv), dt), np.empty(X, np.int64))
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True)
@@ -465,7 +475,7 @@ def _forward(qs, k, v, lo, cfg, sizes, hd, out):
     QB = sizes[0]
     nb = (N + QB - 1) // QB
     for t in prange(BH * nb):
-        s = _scratch(qs.shape[2], sizes, qs)
+        s = _scratch(qs.shape[2], v.shape[2], sizes, qs)
         _task(t // nb, t % nb, qs, k, v, lo, cfg, hd, s, out)
 
 
