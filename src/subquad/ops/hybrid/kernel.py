@@ -28,18 +28,15 @@ from . import options as _options
 from .index import KeyIndex
 from .kernel_tree import build_index_compiled, reused
 from .options import HybridPlan
+from .select import sealed_ends
+from .summaries import causal_group_size
 
-__all__ = ["available", "hybrid_kernel"]
+__all__ = ["hybrid_kernel"]
 
 # numba's fastmath=True assumes no infinities and turns the -inf markers into NaN: only the flags
 # that keep them
 _FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
 _NEG = -np.inf
-
-
-def available(q: torch.Tensor) -> bool:
-    """Whether the kernel can run on ``q``: a float32/float64 CPU tensor."""
-    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
 
 
 @njit(fastmath=_FAST, cache=True, inline="always")
@@ -119,11 +116,12 @@ def _children(node, score, n, level, sealed, cfg, count, child, base, straddle):
 
 
 @njit(fastmath=_FAST, cache=True)
-def _descend(qd, nqd, sealed, cfg, count, mean, direction, ends, node, score, s):
+def _descend(qd, nqd, sealed, cfg, count, mean, direction, ends, s):
     """The beam descent of one block (:func:`.select.descend`): ``qd`` ``(64, D)`` scaled
-    queries, the first ``nqd`` scored. Leaves the final nodes (heap ids) in ``node`` and their
-    scores in ``score``; returns how many. ``s``: the worker's scratch."""
+    queries, the first ``nqd`` scored. Leaves the final nodes (heap ids) in ``s.node`` and their
+    scores in ``s.score``; returns how many. ``s``: the worker's scratch."""
     start, final, keep, mass = cfg[5], cfg[6], cfg[10], cfg[12]
+    node, score = s.node, s.score
     n = 1 << start
     for j in range(n):
         node[j] = n + j
@@ -421,11 +419,9 @@ def _task(h, blk, qs, k, v, lo, cfg, hd, s, out):
         sealed = max(max(lo_first, 0) // chunk - 1, 0) * chunk
         for j in range(QB):  # the QB queries ending at the block's first one
             s.qd[j] = qs[h, max(i0 - QB + 1 + j, 0)]
-        nfin = _descend(s.qd, QB, sealed, cfg, hd.count[h], hd.mean[h], hd.direction[h], hd.ends[h], s.node,
-                        s.score, s)
+        nfin = _descend(s.qd, QB, sealed, cfg, hd.count[h], hd.mean[h], hd.direction[h], hd.ends[h], s)
     else:
-        nfin = _descend(s.qb, nq, sealed, cfg, hd.count[h], hd.mean[h], hd.direction[h], hd.ends[h], s.node,
-                        s.score, s)
+        nfin = _descend(s.qb, nq, sealed, cfg, hd.count[h], hd.mean[h], hd.direction[h], hd.ends[h], s)
     nleaf = _candidates(s.node, s.score, nfin, sealed, lo_last, M, hd.order[h], hd.slot_valid[h], cfg, s.rank, s.ok)
     C = nleaf * bs
     E = U + C + G
@@ -517,7 +513,7 @@ def _summary_arrays(k: torch.Tensor, v: torch.Tensor, index: KeyIndex, keys: tor
                      keys.reshape(BH, -1, D).numpy(), v.numpy(), gcnt, gk, gv, group_of)
         none = np.zeros((BH, 1, 1, 1), dt)
         return gcnt, gk, gv, group_of, none, none
-    gs = _causal_group_size(M, p)
+    gs = causal_group_size(M, G, p.block_size)
     extra = gs * G - M
     kp = torch.nn.functional.pad(k, (0, 0, 0, extra)).view(BH, G, gs, D)
     vp = torch.nn.functional.pad(v, (0, 0, 0, extra)).view(BH, G, gs, -1)
@@ -526,10 +522,6 @@ def _summary_arrays(k: torch.Tensor, v: torch.Tensor, index: KeyIndex, keys: tor
     prev = torch.nn.functional.pad(vp.cumsum(2), (0, 0, 1, 0))
     return tuple(t.contiguous().numpy() for t in (gcnt, kp.sum(2), vp.sum(2), torch.zeros(BH, 1, dtype=torch.long),
                                                   prek, prev))
-
-
-def _causal_group_size(M: int, p: HybridPlan) -> int:
-    return -(-M // (p.num_summaries * p.block_size)) * p.block_size
 
 
 def _sizes(lo: list[int], N: int, M: int, p: HybridPlan, D: int) -> np.ndarray:
@@ -543,7 +535,7 @@ def _sizes(lo: list[int], N: int, M: int, p: HybridPlan, D: int) -> np.ndarray:
         first, last = lo[i0], lo[min(i0 + QB, N) - 1]
         U = max(U, last - first + p.window)
         if p.causal:
-            sealed = max(max(first, 0) // p.chunk_size - 1, 0) * p.chunk_size
+            sealed = sealed_ends(first, p)
             recent = max(recent, -(-max(last - sealed, 0) // bs))
     L = p.sinks + recent + nodes * per_node
     K = 2 * nodes
@@ -578,7 +570,7 @@ def hybrid_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: list[in
     heads = Heads(*(t.reshape(BH, *t.shape[2:]).contiguous().numpy() for t in
                     (index.order, index.slot_valid, index.count, index.mean, index.direction, index.ends)),
                   *_summary_arrays(kf, vf, index, keys, p))
-    gs = _causal_group_size(M, p) if p.causal else 0
+    gs = causal_group_size(M, p.num_summaries, p.block_size) if p.causal else 0
     cfg = np.array([p.window, p.block_size, p.num_selected, p.num_summaries, p.sinks, p.start_level, p.final_level,
                     p.depth, p.chunk_level, p.chunk_size, p.beam + p.causal, p.causal, p.scoring == "mass", gs,
                     p.slots], dtype=np.int64)
@@ -589,7 +581,7 @@ def hybrid_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: list[in
     chunk = numba.set_parallel_chunksize(1)
     try:
         with _blas().limit(limits=1):
-            _forward(qs, kf.contiguous().numpy(), vf.contiguous().numpy(), np.asarray(lo, dtype=np.int64), cfg,
+            _forward(qs, kf.numpy(), vf.numpy(), np.asarray(lo, dtype=np.int64), cfg,
                      _sizes(lo, N, M, p, D), heads, out)
     finally:
         numba.set_parallel_chunksize(chunk)
