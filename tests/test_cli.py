@@ -22,6 +22,7 @@ def test_help_exits_0(capsys):
     assert "--max-error" in out and "--source" in out and "--peers" in out and "--error-inputs" in out
 
 
+@pytest.mark.slow  # a whole command or subprocess run: .ci/run, not make test
 def test_python_dash_m_subquad():
     import subprocess
     import sys
@@ -160,6 +161,7 @@ def test_unqualified_options_reach_every_selected_method(capsys, monkeypatch):
     assert config.command.startswith("subquad compare --methods nystrom lara linear -o num_landmarks=4")
 
 
+@pytest.mark.slow  # a whole command or subprocess run: .ci/run, not make test
 def test_end_to_end_writes_every_report_file(capsys, tmp_path):
     out_dir = tmp_path / "report"
     argv = ["compare", "--n", "24", "40", "--batch", "1", "--heads", "2", "--dim", "8",

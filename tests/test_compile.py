@@ -141,6 +141,7 @@ def test_module_fullgraph_matches_eager(method, training, causal):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # a whole command or subprocess run: .ci/run, not make test
 def test_every_method_has_its_own_compiled_entry():
     """Each method's op is its own code object, so compiling them gives each its own dynamo
     cache: with the recompile limit at 2, every method compiles (two option sets each) with

@@ -181,6 +181,7 @@ SWEEPS = {"tests/test_generic.py": 50, "tests/test_errors.py": 25, "tests/test_r
           "tests/layers/test_mha_parity.py": 60, "tests/test_compile.py": 6}
 
 
+@pytest.mark.slow  # a whole command or subprocess run: .ci/run, not make test
 def test_generic_sweep_runs_it(tmp_path):
     """(d) The generic sweeps (:data:`SWEEPS`) restricted to NAME with ``-k``, in a subprocess where
     ``SUBQUAD_EXTRA_METHODS`` registers it (the slow long-sequence test left out): every test

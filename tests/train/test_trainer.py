@@ -217,6 +217,7 @@ def test_existing_run_needs_resume(data_dir, tmp_path):
         train(cfg)
 
 
+@pytest.mark.slow  # a whole command or subprocess run: .ci/run, not make test
 def test_resume_after_sigkill_matches_uninterrupted_run(data_dir, tmp_path):
     """Kill a run with SIGKILL once it has written a checkpoint, resume it, and compare with a
     run that was never interrupted: identical parameters and metrics. Performer (features redrawn
@@ -258,6 +259,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(data_dir, tmp_path):
         assert ra[key] == rb[key], key
 
 
+@pytest.mark.slow  # a whole command or subprocess run: .ci/run, not make test
 def test_two_process_ddp_matches_one_process(data_dir, tmp_path):
     """``torchrun --nproc_per_node=2`` (gloo, 4 samples per process) ends with the parameters of
     one process with the same global batch of 8 (float64, no dropout)."""
