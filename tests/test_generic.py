@@ -14,7 +14,11 @@ import subquad
 from conftest import (
     ATTENTION_METHODS,
     CAUSAL_METHODS,
+    CROSS_METHODS,
     LINEAR_METHODS,
+    NON_CAUSAL_METHODS,
+    PADDING_METHODS,
+    SELF_ONLY_METHODS,
     STOCHASTIC_METHODS,
     generic_options,
     long_options,
@@ -452,9 +456,16 @@ def test_long_sequence_linear_memory(name, causal):
         assert torch.isfinite(g).all(), f"non-finite gradient for {arg}"
 
 
+SEED_METHODS = {"softmax", "linear", "efficient", "performer", "nystrom", "ra", "lara", "sinkhorn", "hybrid"}
+
+
 def test_method_lists_are_consistent():
-    """The generic sweep sees every attention method, and method_options builds valid options
-    for each of them."""
-    assert ATTENTION_METHODS == [m.name for m in subquad.list_methods() if m.kind == "attention"]
+    """The sweep covers every method of the seed papers (a method that stops registering, or
+    registers under another kind, drops out of every generic test), the capability lists split
+    it without overlap, and method_options builds valid options for each method."""
+    assert SEED_METHODS <= set(ATTENTION_METHODS), SEED_METHODS - set(ATTENTION_METHODS)
+    assert sorted(CAUSAL_METHODS + NON_CAUSAL_METHODS) == sorted(ATTENTION_METHODS)
+    assert sorted(CROSS_METHODS + SELF_ONLY_METHODS) == sorted(ATTENTION_METHODS)
+    assert "softmax" in CAUSAL_METHODS and "softmax" in CROSS_METHODS and "softmax" in PADDING_METHODS
     for name in ATTENTION_METHODS:
         _info(name).make_options(**method_options(name, 8, torch.float64))

@@ -17,7 +17,8 @@ QKV_METHODS = [m.name for m in subquad.list_methods() if m.kind == "attention"] 
 CAUSAL = [m for m in QKV_METHODS if m == "hedgehog" or subquad.get_method(m).causal]
 # small options so the approximations (not their exact fallbacks) run at the tiny test lengths
 OPTIONS = {"nystrom": {"num_landmarks": 4}, "lara": {"num_landmarks": 4}, "performer": {"num_features": 32},
-           "sinkhorn": {"block_size": 4}, "linear": {"chunk_size": 4}, "hedgehog": {"chunk_size": 4}}
+           "sinkhorn": {"block_size": 4}, "linear": {"chunk_size": 4}, "hedgehog": {"chunk_size": 4},
+           "hybrid": {"budget": 8}}
 
 
 class WordTokenizer:
@@ -91,13 +92,28 @@ def test_weights_untouched_bit_identical():
 
 @pytest.mark.parametrize("method", QKV_METHODS)
 def test_zero_shot_encoder_every_method(method):
+    """The retrofitted attention is the one that runs (softmax keeps the model's output, every
+    approximation moves it), and the tokens at padded positions never reach a real one (the
+    global seed fixed before each call, so that ra and lara draw the same samples)."""
     model = tiny_bert()
-    H.retrofit(model, method, **OPTIONS.get(method, {}))
     mask = torch.ones(2, 20, dtype=torch.long)
     mask[1, 14:] = 0
+    ids = _ids()
+    other = ids.clone()
+    other[1, 14:] = torch.randint(5, 100, (6,), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        out = model(input_ids=_ids(), attention_mask=mask).last_hidden_state
+        exact = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        H.retrofit(model, method, **OPTIONS.get(method, {}))
+        torch.manual_seed(0)
+        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        torch.manual_seed(0)
+        out_other = model(input_ids=other, attention_mask=mask).last_hidden_state
     assert torch.isfinite(out).all()
+    real = mask.bool()
+    moved = (out - exact)[real].abs().max().item()  # the random model's attention is near uniform: small moves
+    assert moved < 1e-6 if method == "softmax" else moved > 2e-5, moved
+    torch.testing.assert_close(out_other[1, :14], out[1, :14], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out_other[0], out[0], rtol=1e-5, atol=1e-5)
 
 
 DETERMINISTIC = [m for m in QKV_METHODS if m not in ("ra", "lara")]
