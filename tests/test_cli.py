@@ -22,6 +22,11 @@ def test_help_exits_0(capsys):
     assert "--max-error" in out and "--source" in out and "--peers" in out and "--error-inputs" in out
 
 
+def test_version(capsys):
+    code, out, _ = run_cli(["--version"], capsys)
+    assert code == 0 and out.strip() == f"subquad {subquad.__version__}"
+
+
 @pytest.mark.slow  # a whole command or subprocess run: .ci/run, not make test
 def test_python_dash_m_subquad():
     import subprocess

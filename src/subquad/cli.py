@@ -24,6 +24,7 @@ import sys
 from collections.abc import Iterable
 from types import ModuleType
 
+from . import __version__
 from .cli_base import command_parser, run_command
 
 __all__ = ["main", "build_parser", "COMMANDS"]
@@ -44,9 +45,11 @@ def _command_modules(commands: Iterable[str | ModuleType]) -> list[ModuleType]:
 
 
 def build_parser(prog: str = "subquad", commands: Iterable[str | ModuleType] = COMMANDS) -> argparse.ArgumentParser:
-    """The parser of ``prog``: the sub-commands of each module's ``add_parser``."""
-    return command_parser(prog, "Sub-quadratic attention for PyTorch, measured against exact attention.",
-                          [module.add_parser for module in _command_modules(commands)])
+    """The parser of ``prog``: the sub-commands of each module's ``add_parser``, and ``--version``."""
+    parser = command_parser(prog, "Sub-quadratic attention for PyTorch, measured against exact attention.",
+                            [module.add_parser for module in _command_modules(commands)])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
