@@ -479,3 +479,12 @@ def test_init_from_errors(data_dir, tmp_path, capsys):
     code = cli_main(["train", "listops", "--method", "softmax", "--data", str(data_dir), "--out",
                      str(tmp_path / "none2"), "--init-from", str(bad), "--steps", "2"])
     assert code == 2 and "not a readable checkpoint" in capsys.readouterr().err
+
+
+def test_no_progress_keeps_the_log_lines(data_dir, tmp_path, capsys):
+    """progress=False (--no-progress) drops the bar only: a line every log_every steps and one
+    per evaluation still reach stdout."""
+    train(_config(data_dir, tmp_path / "run"))
+    out = capsys.readouterr().out
+    assert "step 2: " in out and "step 4: " in out and "step 6: " in out
+    assert "step 3: val loss" in out and "step 6: val loss" in out

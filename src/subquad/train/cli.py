@@ -231,7 +231,7 @@ def _add_run_arguments(r) -> None:
                    help="initial weights from another run's model file (best.pt, model.pt or checkpoint.pt) "
                         "with the same architecture, e.g. one trained on shorter inputs; optimiser and "
                         "schedule start afresh; ignored when --resume finds a checkpoint")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar (the log and evaluation lines stay)")
     r.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
                    help="TensorBoard logs (default: when installed)")
 

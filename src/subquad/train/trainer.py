@@ -312,7 +312,9 @@ class _MetricsWriter:
 
 
 class _Progress:
-    """tqdm bar when available (and wanted), else a plain line every ``log_every`` steps."""
+    """tqdm bar when available and wanted (``use_tqdm`` not False), else a plain line every
+    ``log_every`` steps; evaluation lines either way. Silent only when not ``enabled`` (the
+    processes of a distributed run other than the first)."""
 
     def __init__(self, enabled: bool, use_tqdm: bool | None, total: int, initial: int):
         self.enabled = enabled
@@ -586,7 +588,8 @@ class _Run:
             self.metrics = _MetricsWriter(self.out_dir, resume_step=self.step if resume_state is not None else None,
                                           tensorboard=cfg.tensorboard)
         self._announce()
-        self.progress = _Progress(ctx.is_main and cfg.progress is not False, cfg.progress, cfg.steps, self.step)
+        # progress=False drops the bar, not the lines: a line every log_every steps and one per evaluation
+        self.progress = _Progress(ctx.is_main, cfg.progress, cfg.steps, self.step)
         self.net.train()
 
     def _build_model(self) -> None:
