@@ -488,3 +488,19 @@ def test_no_progress_keeps_the_log_lines(data_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "step 2: " in out and "step 4: " in out and "step 6: " in out
     assert "step 3: val loss" in out and "step 6: val loss" in out
+
+
+def test_short_run_warms_up_within_half_its_steps(data_dir, tmp_path):
+    """With the presets' 1000 warm-up steps, a 6-step run still reaches its learning rate: the
+    warm-up ends at step 3 (half the run), then the linear decay (rows logged at steps 2, 4, 6)."""
+    cfg = _config(data_dir, tmp_path / "run", warmup_steps=1000)
+    train(cfg)
+    lrs = {int(s): float(lr) for s, split, *_, lr in _rows(tmp_path / "run" / "metrics.csv") if split == "train"}
+    assert lrs[2] == pytest.approx(cfg.lr * 2 / 3)
+    assert lrs[4] == pytest.approx(cfg.lr * 3 / 4)
+
+
+def test_eval_samples_limits_the_final_test(data_dir, tmp_path):
+    train(_config(data_dir, tmp_path / "run", eval_samples=5))
+    tests = [r for r in _rows(tmp_path / "run" / "metrics.csv") if r[1] == "test"]
+    assert tests and all(int(r[4]) == 5 for r in tests)

@@ -198,7 +198,7 @@ def _add_model_arguments(g) -> None:
     g.add_argument("--head-hidden", type=int, help="classifier hidden width (0: one linear layer)")
     g.add_argument("--batch-size", type=int, help="global batch size")
     g.add_argument("--lr", type=float)
-    g.add_argument("--warmup-steps", type=int)
+    g.add_argument("--warmup-steps", type=int, help="learning-rate warm-up, at most half of --steps")
     g.add_argument("--schedule", choices=SCHEDULES)
     g.add_argument("--steps", type=int, help="optimizer updates")
     g.add_argument("--weight-decay", type=float)
@@ -216,7 +216,7 @@ def _add_model_arguments(g) -> None:
 def _add_run_arguments(r) -> None:
     r.add_argument("--eval-every", type=int, help="validate every K steps")
     r.add_argument("--eval-samples", type=int,
-                   help="validate on the first N validation samples (default: all)")
+                   help="validate and test on the first N samples of each split (default: all)")
     r.add_argument("--checkpoint-every", type=int, default=500, help="default: %(default)s")
     r.add_argument("--log-every", type=int, default=50, help="default: %(default)s")
     r.add_argument("--seed", type=int, default=0, help="default: %(default)s")

@@ -99,10 +99,11 @@ class TrainConfig:
 
     ``batch_size`` is the global batch (all processes together). ``attention_dropout`` applies
     only to methods with attention weights (``softmax``); for others it is recorded as 0.
-    ``eval_samples`` limits validation to the first N validation samples (None: all); the test
-    set is always evaluated in full. ``steps`` counts optimizer updates. ``max_minutes`` stops
-    this process (after writing a checkpoint) once that much wall time has passed; ``resume``
-    then continues the same run, so a long run can be done in slices.
+    ``eval_samples`` limits validation and the final test to the first N samples of each (None:
+    all). ``steps`` counts optimizer updates; the learning-rate warm-up lasts ``warmup_steps``
+    updates but at most half the run (:func:`warmup_for`), so a short run reaches its learning
+    rate. ``max_minutes`` stops this process (after writing a checkpoint) once that much wall time
+    has passed; ``resume`` then continues the same run, so a long run can be done in slices.
 
     ``batching="bucket"`` (default) draws batches of samples of similar length
     (:class:`~subquad.train.sampler.BucketBatchSampler`, pools of ``bucket_pool`` batches) and pads
@@ -250,6 +251,12 @@ def eval_batches(data: listops.ListOpsDataset, indices: np.ndarray, batch_size: 
     multiple = pad_multiple(cfg)
     for a in range(0, len(indices), batch_size):
         yield data.batch(indices[a:a + batch_size], cfg.pad_to, multiple)
+
+
+def warmup_for(cfg: "TrainConfig") -> int:
+    """The warm-up a run uses: ``warmup_steps``, at most half of ``steps`` (``--steps 20`` with the
+    presets' 1000 warm-up steps would otherwise end before the learning rate passed 2 %)."""
+    return min(cfg.warmup_steps, cfg.steps // 2)
 
 
 def lr_factor(step: int, *, warmup: int, total: int, schedule: str) -> float:
@@ -539,6 +546,7 @@ class _Splits:
     val: listops.ListOpsDataset
     test: listops.ListOpsDataset
     val_idx: np.ndarray
+    test_idx: np.ndarray
     majority_class: int
     majority_test: float
     majority_val: float
@@ -547,11 +555,13 @@ class _Splits:
     def load(cls, cfg: TrainConfig) -> "_Splits":
         splits = listops.load_splits(cfg.data_dir)
         val = listops.ListOpsDataset(splits["val"])
-        majority_class, majority_test = listops.majority_baseline(splits["train"].labels, splits["test"].labels)
-        _, majority_val = listops.majority_baseline(splits["train"].labels, splits["val"].labels)
-        n_val = len(val) if cfg.eval_samples is None else min(cfg.eval_samples, len(val))
-        return cls(listops.ListOpsDataset(splits["train"]), val, listops.ListOpsDataset(splits["test"]),
-                   np.arange(n_val), majority_class, majority_test, majority_val)
+        test = listops.ListOpsDataset(splits["test"])
+        n_val, n_test = (len(x) if cfg.eval_samples is None else min(cfg.eval_samples, len(x)) for x in (val, test))
+        majority_class, majority_test = listops.majority_baseline(splits["train"].labels,
+                                                                  splits["test"].labels[:n_test])
+        _, majority_val = listops.majority_baseline(splits["train"].labels, splits["val"].labels[:n_val])
+        return cls(listops.ListOpsDataset(splits["train"]), val, test, np.arange(n_val), np.arange(n_test),
+                   majority_class, majority_test, majority_val)
 
     def label_distribution(self, split: str) -> list[float]:
         return listops.label_distribution(getattr(self, split).data.labels)
@@ -604,7 +614,7 @@ class _Run:
                                            weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
-            lambda e: lr_factor(e + 1, warmup=cfg.warmup_steps, total=cfg.steps, schedule=cfg.schedule))
+            lambda e: lr_factor(e + 1, warmup=warmup_for(cfg), total=cfg.steps, schedule=cfg.schedule))
 
     def _warm_start(self, path: str | os.PathLike) -> None:
         """Initial weights from another run's model file (``init_from``)."""
@@ -754,7 +764,7 @@ class _Run:
         """Test loss, accuracy and count of the final model, and the accuracy of the best-validation
         model (the same model when the best validation was the last one)."""
         cfg, ctx, data = self.cfg, self.ctx, self.data
-        test_idx = np.arange(len(data.test))
+        test_idx = data.test_idx
         t_loss, t_acc, t_n = _evaluate(self.model, data.test, test_idx, self.local_batch, cfg, ctx)
         self.log_row("test", t_loss, t_acc, t_n)
         if self.best_state is None or self.best["step"] == self.step:
