@@ -3,6 +3,8 @@
     python benchmarks/long_fidelity.py --out benchmarks/results        # N = 2048 4096 8192, 10 layers, every row
     python benchmarks/long_fidelity.py --n 2048 --methods hybrid       # hybrid rows, the limits and sharpness only
     python benchmarks/long_fidelity.py --n 8192 --layers 0 15 --no-limits --methods linear performer
+    python benchmarks/long_fidelity.py --n 8192 --no-limits --methods hybrid --rows hybrid:beam=64 \
+        hybrid:candidates=256 --out benchmarks/results/long_selection   # selection settings side by side
 
 Inputs: the causal attention inputs of SmolLM2-135M-Instruct (``subquad.bench.smollm``: 30 layers, 9
 query heads, 3 key/value heads repeated over their groups, head dim 64, q and k after the rotary
@@ -55,6 +57,7 @@ from subquad.bench import smollm
 from subquad.bench.common import machine_info, md_table, source_state
 from subquad.bench.fidelity import attention_sharpness, exact_reference
 from subquad.bench.workload import full_options
+from subquad.cli_base import parse_value
 
 NS = (2048, 4096, 8192)
 BUDGETS = (64, 128)
@@ -77,6 +80,8 @@ def parse_args(argv):
     p.add_argument("--ranks", type=int, nargs="+", default=list(RANKS), help="r of the rank-r limit")
     p.add_argument("--svd-heads", type=int, default=None, help="heads per layer for the rank-r limit (default all)")
     p.add_argument("--no-limits", action="store_true", help="skip the rank-r limit and the sharpness rows")
+    p.add_argument("--rows", nargs="+", default=[], metavar="METHOD:NAME=VALUE,...",
+                   help="extra rows, e.g. hybrid:beam=64 hybrid:candidates=256,budget=64")
     p.add_argument("--cache-dir", type=Path, default=Path(smollm.CACHE_DIR))
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
@@ -114,6 +119,17 @@ def method_rows(methods: list[str], budgets: list[int]) -> list[tuple[str, str, 
             if key not in seen:
                 seen.add(key)
                 rows.append((f"{name} ({label})", name, options))
+    return rows
+
+
+def extra_rows(specs: list[str]) -> list[tuple[str, str, dict]]:
+    """``--rows``: ``METHOD:NAME=VALUE,NAME=VALUE`` -> ``(label, method, options)``."""
+    rows = []
+    for spec in specs:
+        name, _, pairs = spec.partition(":")
+        options = {k: parse_value(v) for k, _, v in (pair.partition("=") for pair in pairs.split(",") if pair)}
+        subquad.get_method(name).make_options(**options)  # a typo fails before minutes of capture
+        rows.append((f"{name} ({pairs.replace(',', ', ')})", name, options))
     return rows
 
 
@@ -296,7 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     start = time.perf_counter()
     source = source_state(Path(__file__).parent)
-    rows = method_rows(args.methods, args.budgets)
+    rows = method_rows(args.methods, args.budgets) + extra_rows(args.rows)
     results = {str(n): measure_n(n, rows, args) for n in args.n}
     info = machine_info(torch.device("cpu"))
     report = {"config": {"n": args.n, "layers": args.layers, "methods": args.methods, "budgets": args.budgets,
