@@ -259,3 +259,11 @@ def test_token_mixers_are_timed_without_an_error():
     row = next(r for r in res["rows"] if r["method"] == mixers[0])
     assert row["kind"] == "mixer" and row["forward_s"] > 0 and row["rel_error"] is None
     assert row["flops_source"] == "counted"
+
+
+@pytest.mark.parametrize("command", [["compare"], ["retrofit"]])
+def test_help_states_only_defaults_that_say_something(command, capsys):
+    code, out, _ = run_cli([*command, "--help"], capsys)
+    assert code == 0
+    assert "(default: None)" not in out and "(default: False)" not in out and "(default: [])" not in out
+    assert out.count("(default: ") >= 3

@@ -26,11 +26,22 @@ import sys
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["parse_value", "OptionError", "add_option_argument", "split_option", "single_method_options",
+__all__ = ["parse_value", "DefaultsFormatter", "OptionError", "add_option_argument", "split_option", "single_method_options",
            "multi_method_options", "deprecated", "command_parser", "run_command"]
 
 
 # --------------------------------------------------------------------------- option grammar
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Help that states an option's default where it says something: not for None or False
+    defaults (flags, and options whose absence the help explains) and not twice."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, [], argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
 
 
 class OptionError(ValueError):

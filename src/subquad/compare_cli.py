@@ -31,7 +31,7 @@ import torch
 import subquad
 
 from .bench.workload import DTYPES
-from .cli_base import OptionError, add_option_argument, multi_method_options
+from .cli_base import DefaultsFormatter, OptionError, add_option_argument, multi_method_options
 
 __all__ = ["add_parser", "run_compare"]
 
@@ -44,7 +44,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "forward+backward time, peak memory, relative error (float64 reference; by default on the Q, K, V of "
         "a real model, see --error-inputs), speed-up and achieved FLOP rate; print a leaderboard and "
         "recommend the fastest method within an error budget.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsFormatter)
     _add_workload(p.add_argument_group("workload"))
     meth = p.add_argument_group("methods")
     meth.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
@@ -54,7 +54,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     rec = p.add_argument_group("recommendation")
     rec.add_argument("--max-error", type=float, default=None, metavar="E",
                      help="recommend the fastest method whose relative error is at most E "
-                     "(default: a table for 0.01, 0.05, 0.1, 0.2)")
+                     "(default: the fastest method for every error budget, as ranges of E)")
     rec.add_argument("--objective", choices=["forward", "training"], default="forward",
                      help="what the recommendation minimises: forward time or forward+backward time")
     mode = p.add_argument_group("inputs and peers")

