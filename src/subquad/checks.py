@@ -8,12 +8,25 @@ and what is allowed. Conventions: tensors are ``(B, H, N, D)``; ``key_padding_ma
 from __future__ import annotations
 
 import math
+import os
+import sys
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["check_qkv", "check_scale", "check_int", "check_float", "check_choice", "check_bool"]
+__all__ = ["check_qkv", "check_scale", "check_int", "check_float", "check_choice", "check_bool", "user_stacklevel"]
+
+_INTERNAL = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (torch.__file__, __file__))
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a warning raised by the caller of this function that points at the
+    first frame outside torch and subquad (the user's line, not ``Module.__call__``)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def check_qkv(

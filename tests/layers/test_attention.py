@@ -230,6 +230,13 @@ def test_need_weights_gives_none_for_approximate_methods(method, recwarn):
     assert not recwarn.list  # once per module
 
 
+def test_need_weights_warning_points_at_the_caller():
+    attn = subquad.MultiheadAttention(32, 4, batch_first=True, method="linear")
+    with pytest.warns(UserWarning, match="need_weights") as record:
+        attn(X, X, X, need_weights=True)
+    assert record[0].filename == __file__  # this line, not torch's Module.__call__
+
+
 @pytest.mark.parametrize("method", [m for m in ATTENTION_METHODS if m != "softmax"])
 def test_dropout_refused_for_approximate_methods(method):
     with pytest.raises(ValueError, match="dropout"):

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..checks import check_int
+from ..checks import check_int, user_stacklevel
 from ..registry import MethodInfo, get_method, resolve_path
 
 __all__ = ["MultiheadAttention", "AttentionCore", "MHAShapeError", "MHADtypeError", "MHAShapeRuntimeError"]
@@ -282,7 +282,7 @@ class MultiheadAttention(nn.Module):
             if not getattr(self, "_warned_weights", False):
                 warnings.warn(f"need_weights=True: method {self.method!r} never forms the attention weight "
                               "matrix, so the weights returned are None (pass need_weights=False to say so)",
-                              UserWarning, stacklevel=2)
+                              UserWarning, stacklevel=user_stacklevel())
                 self._warned_weights = True
             need_weights = False
         if query.is_nested or key.is_nested or value.is_nested:

@@ -37,7 +37,7 @@ def _stats(keys: Tensor, members: list[int], size: int, iterations: int):
         u = dev.T @ (dev @ u)
         u = u / max(float(u.detach().norm()), 1e-30)
     proj = dev @ u
-    ends = (max(float(proj.max()), 0.0), min(float(proj.min()), 0.0))  # empty slots project to 0
+    ends = (max(float(proj.detach().max()), 0.0), min(float(proj.detach().min()), 0.0))  # empty slots project to 0
     return len(members), mean, u, ends, dict(zip(members, proj.tolist()))
 
 
@@ -71,9 +71,9 @@ def _node_score(q: Tensor, stat, scoring: str, scale: float) -> float:
     count, mean, u, (high, low) = stat
     if count == 0:
         return -math.inf
-    score = float(q @ mean) * scale
+    score = float((q @ mean).detach()) * scale  # scores steer discrete choices only
     if scoring == "mass":
-        b = float(q @ u) * scale
+        b = float((q @ u).detach()) * scale
         score += math.log(count) + max(b * high, b * low)
     return score
 
@@ -228,7 +228,7 @@ def _selected(q, logits, leaves, stats, i, block, lo, region, causal, p: HybridP
     scored = []
     for leaf in cands:
         keys = [j for j in leaf if j in allowed]
-        scored.append((_leaf_score([float(logits[i, j]) for j in keys], p.scoring), keys))
+        scored.append((_leaf_score([float(logits[i, j].detach()) for j in keys], p.scoring), keys))
     # torch.topk order is not specified among equal scores; the tests use inputs without ties
     top = sorted(scored, key=lambda t: -t[0])[: p.num_selected]
     return {j for s, keys in top if s > -math.inf for j in keys}
