@@ -26,8 +26,8 @@ import sys
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["parse_value", "DefaultsFormatter", "OptionError", "add_option_argument", "split_option", "single_method_options",
-           "multi_method_options", "deprecated", "command_parser", "run_command"]
+__all__ = ["parse_value", "DefaultsFormatter", "OptionError", "add_option_argument", "split_option",
+           "single_method_options", "multi_method_options", "deprecated", "command_parser", "run_command"]
 
 
 # --------------------------------------------------------------------------- option grammar
