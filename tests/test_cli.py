@@ -43,7 +43,7 @@ def test_one_parser_for_every_command():
     from subquad.train import cli as train_cli
 
     names = set(cli.build_parser()._subparsers._group_actions[0].choices)
-    assert names == {"compare", "data", "train", "evaluate", "retrofit"}
+    assert names == {"compare", "methods", "data", "train", "evaluate", "retrofit"}
     standalone = set(train_cli.build_parser()._subparsers._group_actions[0].choices)
     assert standalone == {"data", "train", "evaluate"}
 
@@ -267,3 +267,22 @@ def test_help_states_only_defaults_that_say_something(command, capsys):
     assert code == 0
     assert "(default: None)" not in out and "(default: False)" not in out and "(default: [])" not in out
     assert out.count("(default: ") >= 3
+
+
+def test_methods_lists_every_registered_method(capsys):
+    code, out, _ = run_cli(["methods"], capsys)
+    assert code == 0
+    lines = out.splitlines()
+    for m in subquad.list_methods():
+        row = next(line.split() for line in lines if line.split()[:1] == [m.name])
+        assert row[1:3] == [m.kind, m.complexity]
+        assert row[3] == ("yes" if m.causal else "-")
+
+
+def test_methods_name_prints_its_options(capsys):
+    code, out, _ = run_cli(["methods", "nystrom"], capsys)
+    assert code == 0
+    for name, default in subquad.get_method("nystrom").option_defaults().items():
+        assert f"  {name} = {default!r}" in out
+    code, _, err = run_cli(["methods", "nystrm"], capsys)
+    assert code == 2 and "unknown method 'nystrm'" in err

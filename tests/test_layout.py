@@ -35,6 +35,7 @@ RANK = {
     "hf": 6,
     "cli": 7,
     "compare_cli": 7,
+    "methods_cli": 7,
     "__main__": 8,
 }
 

@@ -1,0 +1,49 @@
+"""``subquad methods``: the registered methods and what each supports; ``subquad methods NAME``:
+one method's summary and options with their defaults.
+
+    subquad methods              # one line per method: kind, cost, causal, cross, padding
+    subquad methods hybrid       # hybrid's summary and every option with its default
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from . import get_method, list_methods
+
+__all__ = ["add_parser", "run_methods"]
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """``methods [NAME]``."""
+    p = subparsers.add_parser("methods", help="list the registered methods, or one method's options",
+                              description="The registered attention methods and mixers: what each supports, and "
+                              "with NAME its summary and options (the -o NAME=VALUE of the other commands).")
+    p.add_argument("name", nargs="?", default=None, metavar="NAME", help="a method to describe")
+    p.set_defaults(func=run_methods, subparser=p)
+    return p
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "-"
+
+
+def run_methods(args: argparse.Namespace) -> int:
+    """Print the table of methods, or NAME's summary and options; an unknown NAME is a usage error."""
+    if args.name is None:
+        rows = [("name", "kind", "cost", "causal", "cross", "padding")]
+        rows += [(m.name, m.kind, m.complexity, _yes(m.causal), _yes(m.cross_attention), _yes(m.key_padding))
+                 for m in list_methods()]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for row in rows:
+            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        print("\nsubquad methods NAME: a method's options and defaults")
+        return 0
+    try:
+        info = get_method(args.name)
+    except ValueError as e:
+        args.subparser.error(str(e))
+    print(f"{info.name} ({info.kind}, {info.complexity}): {info.summary}")
+    for name, default in info.option_defaults().items():
+        print(f"  {name} = {default!r}")
+    return 0
