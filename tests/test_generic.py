@@ -469,3 +469,14 @@ def test_method_lists_are_consistent():
     assert "softmax" in CAUSAL_METHODS and "softmax" in CROSS_METHODS and "softmax" in PADDING_METHODS
     for name in ATTENTION_METHODS:
         _info(name).make_options(**method_options(name, 8, torch.float64))
+
+
+@pytest.mark.parametrize("where", ["q", "k"])
+def test_nan_input_gives_nan_output_not_an_error(method, where):
+    """A NaN in the inputs reaches the output as NaN (as exact attention's does) and raises
+    nothing: no method hides it, none fails inside a sampler on it."""
+    q, k, v = qkv(1, 2, 37, 8, dtype=torch.float32)
+    (q if where == "q" else k)[0, 1, 5, 3] = float("nan")
+    out = run_method(method, q, k, v)
+    assert out[0, 1].isnan().any()
+    assert not out[0, 0].isnan().any()  # the other head is untouched

@@ -319,14 +319,20 @@ def _softmax_row(vb, nx, ncol, lo, cfg, h, hd, s, out):
     G, causal, gs = cfg[3], cfg[11], cfg[13]
     zero, one, neg = vb.dtype.type(0), vb.dtype.type(1), vb.dtype.type(_NEG)
     mx = neg
+    nan = False  # a NaN logit (NaN in q or k) makes the row NaN, as in exact attention
     for x in range(nx):
         mx = max(mx, s.xl[x])
+        nan |= s.xl[x] != s.xl[x]
     for c in range(ncol):
         lc = neg
         if s.cn[c] >= 0.5:
             lc = s.cq[c] / max(s.cn[c], one)
         s.lc[c] = lc
         mx = max(mx, lc)
+        nan |= lc != lc
+    if nan:
+        out[:] = np.nan
+        return
     if not (mx > neg and mx < np.inf):
         mx = zero
     ex = s.ex

@@ -70,7 +70,8 @@ def _feature_attention(omega: Tensor, k_paper: Tensor, v: Tensor, key_padding_ma
 def _sample_key_indices(q, k, key_padding_mask, scale, num_samples, generator) -> Tensor:
     """``(B, H, N, S)`` key indices, each drawn from the (masked) softmax row of its query;
     padded keys have probability exactly 0. Blocks of queries keep the (rows, M) probability
-    matrix small."""
+    matrix small. A row that is not finite (NaN or inf in q or k) draws uniformly instead of
+    failing inside ``multinomial``: its output is NaN, as every other method's is."""
     B, H, N, _ = q.shape
     M = k.shape[2]
     bias = padding_bias(key_padding_mask, q.dtype)
@@ -81,6 +82,7 @@ def _sample_key_indices(q, k, key_padding_mask, scale, num_samples, generator) -
         if bias is not None:
             logits = logits + bias
         probs = torch.softmax(logits, dim=-1).reshape(-1, M)
+        probs = probs.masked_fill(~probs.isfinite().all(-1, keepdim=True), 1.0)
         if generator is not None and probs.device != generator.device:
             probs = probs.to(generator.device)
         idx = torch.multinomial(probs, num_samples, replacement=True, generator=generator)
