@@ -54,6 +54,32 @@ def test_cli_retrofit_writes_artifact(tiny_dir, tmp_path, capsys):
     H.load_retrofit(model, out)
 
 
+def _retrofit_argv(tiny_dir, tmp_path, *extra):
+    return ["retrofit", "--model", str(tiny_dir), "--method", "hedgehog", "-o", "hedgehog.window=4",
+            "--texts", str(_text_file(tmp_path / "t.txt", 40, 0)),
+            "--eval-texts", str(_text_file(tmp_path / "e.txt", 40, 1)), "--eval-count", "4",
+            "--train-count", "4", "--quiet", *extra]
+
+
+def test_cli_retrofit_refuses_to_write_a_worse_model(tiny_dir, tmp_path, capsys):
+    """A transfer that leaves the model further from exact attention than zero-shot (here a
+    learning rate of 30) writes nothing without --force, and says why; with --force it writes."""
+    out = tmp_path / "r.pt"
+    bad = ["--steps", "5", "--lr", "30", "--out", str(out)]
+    assert main(_retrofit_argv(tiny_dir, tmp_path, *bad)) == 1
+    assert not out.exists()
+    assert "not writing" in capsys.readouterr().err
+    assert main(_retrofit_argv(tiny_dir, tmp_path, *bad, "--force")) == 0
+    assert out.exists()
+
+
+def test_cli_retrofit_compares_on_packed_texts_unless_short(tiny_dir, tmp_path, capsys):
+    assert main(_retrofit_argv(tiny_dir, tmp_path, "--steps", "0")) == 0
+    assert "on 4 held-out texts of ~400 tokens" in capsys.readouterr().out
+    assert main(_retrofit_argv(tiny_dir, tmp_path, "--steps", "0", "--eval-short")) == 0
+    assert "on 4 held-out paragraphs" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--method", "nope"], "unknown --method"),
     (["--method", "hedgehog", "-o", "window"], "NAME=VALUE"),

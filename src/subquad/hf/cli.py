@@ -39,7 +39,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "and transformers)")
     p.add_argument("--eval-texts", type=Path, default=None, metavar="FILE",
                    help="held-out text, paragraphs separated by blank lines (default: standard-library docstrings)")
-    p.add_argument("--eval-count", type=int, default=128, help="held-out paragraphs to compare on")
+    p.add_argument("--eval-count", type=int, default=32,
+                   help="held-out texts to compare on: packed to about 400 tokens each, so that windowed and "
+                   "budgeted methods run as they will on long inputs, not as exact attention")
+    p.add_argument("--eval-short", action="store_true",
+                   help="compare on single held-out paragraphs (median ~60 tokens) instead of packed texts")
+    p.add_argument("--force", action="store_true",
+                   help="write --out even when the transfer left the model further from exact attention "
+                   "than zero-shot")
     p.add_argument("--train-count", type=int, default=32, help="training texts (about 400 tokens each)")
     p.add_argument("--steps", type=int, default=300, help="transfer steps (0: zero-shot only)")
     p.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate of the transfer")
@@ -132,22 +139,40 @@ def run_retrofit(args: argparse.Namespace) -> int:
         H.retrofit(model, args.method, seed=args.seed, **options)
     except (ValueError, TypeError, NotImplementedError) as e:
         p.error(str(e))
-    if eval_par is None:
-        eval_par = T.stdlib_paragraphs()
-    held_out = random.Random(args.seed + 1).sample(eval_par, min(args.eval_count, len(eval_par)))
+    held_out, what = _held_out(args, eval_par)
+    print(f"comparing with exact attention on {len(held_out)} {what} ...", file=sys.stderr, flush=True)
     t0 = time.time()
     before = H.compare_to_exact(model, tok, held_out)
     exact = before.pop("exact")
     print(f"zero-shot {args.method} {options}: mean cosine {before['mean_cosine']:.4f}, min "
           f"{before['min_cosine']:.4f}, top-1 neighbour agreement {before['nn_agreement']:.3f} "
-          f"on {len(held_out)} held-out paragraphs ({time.time() - t0:.0f} s)")
-    meta = {"zero_shot": before, "options": options, "model": args.model}
+          f"on {len(held_out)} {what} ({time.time() - t0:.0f} s)")
+    meta = {"zero_shot": before, "options": options, "model": args.model, "eval": what}
     if args.steps > 0:
         meta.update(_transfer(args, model, tok, train_par, held_out, exact))
+        worse = not meta["after"]["mean_cosine"] >= before["mean_cosine"]  # NaN counts as worse
+        if worse and args.out is not None and not args.force:
+            print(f"not writing {args.out}: after the transfer the model is further from exact attention than "
+                  f"zero-shot (mean cosine {meta['after']['mean_cosine']:.4f} < {before['mean_cosine']:.4f}); "
+                  "try a lower --lr or more --steps, or pass --force to write it anyway", file=sys.stderr)
+            return 1
     if args.out is not None:
         H.save_retrofit(model, args.out, meta=json.loads(json.dumps(meta)))
         print(f"wrote {args.out} ({args.out.stat().st_size / 1024:.0f} KiB)", file=sys.stderr)
     return 0
+
+
+def _held_out(args: argparse.Namespace, eval_par: list | None) -> tuple[list[str], str]:
+    """The held-out texts (``--eval-texts`` or the standard library's docstrings: evaluation only)
+    and what they are: ``--eval-count`` packed texts of about 400 tokens, or single paragraphs."""
+    from subquad.hf import texts as T
+
+    if eval_par is None:
+        eval_par = T.stdlib_paragraphs()
+    if args.eval_short:
+        return random.Random(args.seed + 1).sample(eval_par, min(args.eval_count, len(eval_par))), "held-out paragraphs"
+    packed = T.pack(eval_par, args.eval_count, seed=args.seed + 1) or eval_par[: args.eval_count]
+    return packed, "held-out texts of ~400 tokens"
 
 
 def _transfer(args: argparse.Namespace, model, tok, train_par: list | None, held_out: list, exact) -> dict:
