@@ -124,7 +124,6 @@ def run_retrofit(args: argparse.Namespace) -> int:
     import torch
 
     import subquad.hf as H
-    from subquad.hf import texts as T
 
     options = _check_args(p, args, H.retrofit_methods())
     train_par, eval_par = _read_texts(p, args)
