@@ -10,6 +10,7 @@ hands its :class:`Renderer` over (and registers it, for callers that pass none).
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -25,8 +26,8 @@ import subquad
 from .fidelity import exact_reference, relative_error
 from .workload import forward_call, make_qkv
 
-__all__ = ["Config", "machine_info", "source_state", "progress_bar", "random_inputs", "attention_methods",
-           "method_errors", "error_inputs_label", "Renderer",
+__all__ = ["Config", "machine_info", "machine_load", "source_state", "progress_bar", "random_inputs",
+           "attention_methods", "method_errors", "error_inputs_label", "Renderer",
            "register_renderer", "renderer_for", "fmt_seconds", "fmt_bytes", "fmt_ratio", "fmt_error", "fmt_rate",
            "text_table", "md_table"]
 
@@ -83,6 +84,15 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
+
+
+def machine_load() -> dict[str, float] | None:
+    """The 1-minute load average and the CPU count (None where the OS has no load average): a
+    load above the cores not used by this run means another process competed for them."""
+    try:
+        return {"load_1min": os.getloadavg()[0], "cores": os.cpu_count() or 1}
+    except (OSError, AttributeError):
+        return None
 
 
 def source_state(where: Path) -> str:

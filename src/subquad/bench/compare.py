@@ -27,8 +27,8 @@ from torch import Tensor
 import subquad
 
 from . import flops as flop_counts
-from .common import (Config, Renderer, error_inputs_label, machine_info, progress_bar, random_inputs,
-                     register_renderer)
+from .common import (Config, Renderer, error_inputs_label, machine_info, machine_load, progress_bar,
+                     random_inputs, register_renderer)
 from .fidelity import relative_error
 from .memory import measure, measure_in_subprocess
 from .recommend import OBJECTIVES, budget_table, recommend
@@ -88,7 +88,8 @@ def _new_row(info, n: int, user_options: dict[str, Any]) -> dict[str, Any]:
     return {
         "n": n, "method": info.name, "kind": info.kind, "complexity": info.complexity,
         "stochastic": info.stochastic, "options": user_options, "status": "ok", "errors": {}, "notes": [],
-        "forward_s": None, "forward_runs": None, "forward_backward_s": None, "forward_backward_runs": None,
+        "forward_s": None, "forward_runs": None, "forward_spread": None,
+        "forward_backward_s": None, "forward_backward_runs": None, "forward_backward_spread": None,
         "forward_bytes": None, "forward_backward_bytes": None, "rel_error": None,
         "flops": None, "flops_source": None,
     }
@@ -125,7 +126,7 @@ def _time_forward(p: _Point) -> tuple[Callable[[], Tensor], Tensor, dict[str, An
         p.stage("forward")
         with torch.no_grad():
             timing = median_time(keep_output, config.min_run_time)
-        p.row["forward_s"], p.row["forward_runs"] = timing.seconds, timing.runs
+        p.row["forward_s"], p.row["forward_runs"], p.row["forward_spread"] = timing.seconds, timing.runs, timing.spread
     except Exception as e:  # noqa: BLE001 (a failing method is reported, not fatal)
         p.row["status"] = "failed"
         p.row["errors"]["forward"] = _message(e)
@@ -188,6 +189,7 @@ def _time_backward(p: _Point) -> bool:
         step = forward_backward_call(p.info, p.q, p.k, p.v, p.user_options, seed=p.config.seed, module=p.module)
         timing = median_time(step, p.config.min_run_time)
         p.row["forward_backward_s"], p.row["forward_backward_runs"] = timing.seconds, timing.runs
+        p.row["forward_backward_spread"] = timing.spread
     except Exception as e:  # noqa: BLE001
         p.row["errors"]["forward_backward"] = _message(e)
         return False
@@ -314,6 +316,7 @@ def run(config: Config, *, show_progress: bool = True, real_errors: dict[str, An
     start = time.time()
     infos = [subquad.get_method(m) for m in config.methods]
     notes: list[str] = []
+    load_before = machine_load()
     rates = _matmul_rates(device, dtype, config)
 
     rows: list[dict[str, Any]] = []
@@ -335,7 +338,8 @@ def run(config: Config, *, show_progress: bool = True, real_errors: dict[str, An
     return {
         "kind": "compare",
         "config": asdict(config),
-        "machine": {**machine_info(device), "matmul_flops_per_s": rates},
+        "machine": {**machine_info(device), "matmul_flops_per_s": rates,
+                    "load": {"before": load_before, "after": machine_load()}},
         "error_inputs": errors,
         "rows": rows,
         "budgets": budgets,

@@ -16,9 +16,10 @@ from typing import Any, Callable
 
 from .common import (Renderer, error_inputs_label, fmt_bytes, fmt_error, fmt_rate, fmt_ratio, fmt_seconds,
                      md_table, renderer_for, text_table)
+from .timing import MIN_RUNS
 
-__all__ = ["leaderboard_text", "markdown_compare", "markdown", "write_report", "text_table", "md_table",
-           "fmt_seconds", "fmt_bytes", "fmt_ratio", "fmt_error"]
+__all__ = ["timing_warnings", "leaderboard_text", "markdown_compare", "markdown", "write_report", "text_table",
+           "md_table", "fmt_seconds", "fmt_bytes", "fmt_ratio", "fmt_error"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,6 +135,27 @@ def _budget_table(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return headers, body
 
 
+#: a timed point whose blocks' (slowest - fastest) / median exceeds this is listed as unsteady
+WIDE_SPREAD = 0.5
+
+
+def timing_warnings(res: dict[str, Any]) -> list[str]:
+    """What makes this run's times doubtful: a machine loaded by other processes (1-minute load
+    average above the cores this run leaves idle, before or after it) and points whose timed
+    blocks spread wider than :data:`WIDE_SPREAD`."""
+    out = []
+    threads = res["machine"]["threads"]
+    for when, load in (res["machine"].get("load") or {}).items():
+        if load and load["load_1min"] > load["cores"] - threads + 0.5:
+            out.append(f"the machine was loaded {when} the run (load average {load['load_1min']:.1f} on "
+                       f"{load['cores']} cores, {threads} threads used): times may be inflated")
+    for r in res["rows"]:
+        for what, key in (("forward", "forward_spread"), ("fwd+bwd", "forward_backward_spread")):
+            if (r.get(key) or 0.0) > WIDE_SPREAD:
+                out.append(f"N={r['n']} {r['method']}: {what} runs spread {100 * r[key]:.0f} % of their median")
+    return out
+
+
 def leaderboard_text(res: dict[str, Any]) -> str:
     """The console leaderboard: one table per N, fastest forward first, and the recommendation."""
     c = res["config"]
@@ -144,6 +166,9 @@ def leaderboard_text(res: dict[str, Any]) -> str:
     problems = [(r, _status(r, short=False)) for r in res["rows"] if r["status"] != "ok"]
     if problems:
         out += ["", "Notes:"] + [f"  N={r['n']} {r['method']}: {text}" for r, text in problems]
+    warnings = timing_warnings(res)
+    if warnings:
+        out += ["", "Timing warnings:"] + [f"  {w}" for w in warnings]
     what = "forward" if c["objective"] == "forward" else "forward+backward"
     headers, body = _budget_table(res)
     label = error_inputs_label(res.get("error_inputs"))
@@ -166,8 +191,9 @@ def _columns_explained(res: dict[str, Any]) -> list[str]:
     return [
         "## Columns",
         "",
-        f"- **forward ms**, **fwd+bwd ms**: median of `torch.utils.benchmark` (`blocked_autorange`, "
-        f"min_run_time {c['min_run_time']:g} s, {res['machine']['threads']} threads); fwd+bwd computes the "
+        f"- **forward ms**, **fwd+bwd ms**: median over at least {MIN_RUNS} timed blocks of calls "
+        f"(`subquad.bench.timing`: at least {c['min_run_time']:g} s, after one untimed call, "
+        f"{res['machine']['threads']} threads; each block's spread is in results.json); fwd+bwd computes the "
         "gradients of q, k, v for a fixed random output gradient. **vs exact**: exact attention's time "
         "divided by the method's, both from this run (quote these ratios; absolute times drift on a "
         "shared machine).",
@@ -201,6 +227,8 @@ def markdown_compare(res: dict[str, Any], images: list[str]) -> str:
         f"{_error_inputs_text(res)} {_why_error_inputs(res)}",
         "",
         f"Command: `{c['command']}`",
+        "",
+        *[f"**Timing warning**: {w}." for w in timing_warnings(res)],
         "",
         "## Recommendation",
         "",

@@ -1,38 +1,67 @@
-"""Wall-clock time of a call: the median of ``torch.utils.benchmark``, all of torch's threads.
+"""Wall-clock time of a call: the median of at least ``min_runs`` timed blocks of calls, with
+all of torch's threads (or ``num_threads``).
 
-The Timer synchronises the accelerator around each block, so CUDA kernels are timed, not
-just launched. Its block-size estimate runs the call at least once before measuring, which
-doubles as the warm-up; a call slower than ``min_run_time`` is then measured once more.
+One call runs first, untimed (the warm-up, and the estimate that sizes the blocks); then blocks
+of ``number`` calls (as many as fit ``min_run_time / min_runs``, at least one) are timed until
+there are ``min_runs`` of them and ``min_run_time`` has passed, so a call of several seconds is
+measured ``min_runs`` times, never once. The accelerator is synchronised around each block, so
+CUDA kernels are timed, not just launched. (``torch.utils.benchmark.Timer.timeit`` runs two
+untimed calls before every block it times, which would triple the cost of a multi-second point.)
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.utils.benchmark as benchmark
 
-__all__ = ["Timing", "median_time"]
+__all__ = ["Timing", "median_time", "MIN_RUNS"]
+
+#: blocks of calls every timed point is the median of
+MIN_RUNS = 5
 
 
 @dataclass
 class Timing:
-    """``seconds``: median seconds per call; ``fastest``: the fastest block's seconds per call;
-    ``runs``: calls measured (after the warm-up); ``times``: seconds per call of each measured
-    block (``len(times)`` blocks)."""
+    """``seconds``: median seconds per call over the blocks; ``fastest``: the fastest block's
+    seconds per call; ``runs``: calls measured (after the warm-up); ``times``: seconds per call of
+    each block; ``spread``: ``(slowest - fastest) / median`` of the blocks (0 for one block)."""
 
     seconds: float
     fastest: float
     runs: int
     times: list[float] = field(default_factory=list)
 
+    @property
+    def spread(self) -> float:
+        return (max(self.times) - min(self.times)) / self.seconds if len(self.times) > 1 else 0.0
 
-def median_time(fn: Callable[[], object], min_run_time: float, *, num_threads: int | None = None) -> Timing:
-    """Median seconds of ``fn()`` from ``Timer.blocked_autorange(min_run_time)``, with
-    ``num_threads`` torch threads (default: all of torch's current threads)."""
-    threads = torch.get_num_threads() if num_threads is None else num_threads
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
-    m = timer.blocked_autorange(min_run_time=min_run_time)
-    return Timing(seconds=m.median, fastest=min(m.times), runs=m.number_per_run * len(m.raw_times),
-                  times=list(m.times))
+
+def median_time(fn: Callable[[], object], min_run_time: float, *, num_threads: int | None = None,
+                min_runs: int = MIN_RUNS) -> Timing:
+    """Median seconds of ``fn()`` over at least ``min_runs`` timed blocks and ``min_run_time``
+    seconds, with ``num_threads`` torch threads (default: all of torch's current threads)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
+
+    def block(number: int) -> float:
+        sync()
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        sync()
+        return (time.perf_counter() - start) / number
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads if num_threads is None else num_threads)
+    try:
+        first = block(1)  # the warm-up, untimed in the result
+        number = max(1, int(min_run_time / max(min_runs, 1) / max(first, 1e-9)))
+        times: list[float] = []
+        while len(times) < min_runs or sum(times) * number < min_run_time:
+            times.append(block(number))
+    finally:
+        torch.set_num_threads(threads)
+    return Timing(seconds=statistics.median(times), fastest=min(times), runs=number * len(times), times=times)
