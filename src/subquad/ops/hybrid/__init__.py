@@ -88,7 +88,8 @@ __all__ = ["HybridOptions", "HybridPlan", "hybrid_attention", "plan", "flops"]
     fullgraph_with_padding=False,  # padding is removed first: shapes from the mask
 )
 def hybrid_attention(q, k, v, key_padding_mask, causal, scale, *, budget, window, block_size, num_selected,
-                     num_summaries, grouping, scoring, candidates, beam, chunk_size, sinks, tree_iterations):
+                     num_summaries, grouping, scoring, candidates, beam, chunk_size, sinks, tree_iterations,
+                     query_descent):
     """Hybrid attention (see the module docstring).
 
     Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
@@ -98,7 +99,7 @@ def hybrid_attention(q, k, v, key_padding_mask, causal, scale, *, budget, window
     if scale is None:
         scale = q.shape[-1] ** -0.5
     o = HybridOptions(budget, window, block_size, num_selected, num_summaries, grouping, scoring, candidates, beam,
-                      chunk_size, sinks, tree_iterations)
+                      chunk_size, sinks, tree_iterations, query_descent)
     if budget >= k.shape[2]:
         return softmax_attention(q, k, v, key_padding_mask=key_padding_mask, causal=causal, scale=scale)
     dtype = compute_dtype(q.dtype)
@@ -143,7 +144,7 @@ def _approximate(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, causal: 
     p = plan(o, Mv, causal)
     lo = window_starts(N, M, valid, p.window, causal)
     tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    kernel = None if tracked or not numpy_path(q.detach()) else _kernel()
+    kernel = None if tracked or p.query_descent or not numpy_path(q.detach()) else _kernel()
     if kernel is None:
         return hybrid_core(q, k, v, lo, causal, scale, p)
     return kernel.hybrid_kernel(q, k, v, lo, scale, p)

@@ -104,6 +104,7 @@ def hybrid_core(q: Tensor, k: Tensor, v: Tensor, lo: list[int], causal: bool, sc
     sealed = None if sealed_list is None else torch.tensor(sealed_list, device=q.device)
     with torch.no_grad(), record_function("hybrid.descend"):
         leaf, leaf_ok = descend(_descent_queries(qp.detach(), qb, causal), index, sealed, p, scale)
+        own = _own_leaves(qp.detach(), index, sealed, leaf, leaf_ok, p, scale) if p.query_descent else None
         if causal:
             group_of = None
         else:  # the coarse group of every key rank: invert the slot order
@@ -118,12 +119,15 @@ def hybrid_core(q: Tensor, k: Tensor, v: Tensor, lo: list[int], causal: bool, sc
     tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     scratch = _Scratch(not torch.compiler.is_compiling() and not tracked)
     row_bytes = (D + v.shape[-1]) * q.element_size()
+    cand_keys = (leaf.shape[-1] + (0 if own is None else qb * own[0].shape[-1])) * p.block_size
     outs = []
-    for blocks, U, R in runs(lo_list, sealed_list, p, qb, leaf.shape[-1] * p.block_size, row_bytes):
+    for blocks, U, R in runs(lo_list, sealed_list, p, qb, cand_keys, row_bytes):
         ctx = (p, scale, causal, index, group_of, summaries, scratch)
+        rq = slice(blocks.start * qb, blocks.stop * qb)
         with record_function("hybrid.attend"):
             outs.append(_attend(ctx, qp, lop, keys, values, leaf[:, :, blocks], leaf_ok[:, :, blocks],
-                                None if sealed is None else sealed[blocks], blocks, U, R))
+                                None if sealed is None else sealed[blocks], blocks, U, R,
+                                None if own is None else (own[0][:, :, rq], own[1][:, :, rq])))
     return torch.cat(outs, 2)[:, :, :N]
 
 
@@ -139,6 +143,31 @@ def _descent_queries(q: Tensor, qb: int, causal: bool) -> Tensor:
     return q[:, :, idx]
 
 
+def _own_leaves(q: Tensor, index: KeyIndex, sealed: Tensor | None, leaf: Tensor, leaf_ok: Tensor, p: HybridPlan,
+                scale: float) -> tuple[Tensor, Tensor]:
+    """``query_descent``: the leaves each query ``q`` ``(B, H, nq, D)`` ends on when it descends
+    the tree alone, within its block's sealed region: first slots ``(B, H, nq, L)`` and whether
+    each may be chosen, False for a leaf its block's descent (``leaf``, ``leaf_ok``) found."""
+    B, H, nq, _ = q.shape
+    nb, bs = leaf.shape[2], p.block_size
+    own, ok = descend(q.unsqueeze(3), index, None if sealed is None else sealed.repeat_interleave(nq // nb), p, scale)
+    found = torch.zeros(B, H, nb, p.slots // bs, dtype=torch.bool, device=q.device)
+    found.scatter_(-1, leaf // bs, leaf_ok)
+    dup = found.gather(-1, (own // bs).view(B, H, nb, -1)).view(own.shape)
+    return own, ok & ~dup
+
+
+def _tree_rows(index: KeyIndex, M: int, leaf: Tensor, leaf_ok: Tensor, p: HybridPlan) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows (into ``[keys by rank; keys by slot]``), ranks and validity of the keys of tree leaves
+    ``leaf`` ``(B, H, *shape, L)`` (first slots), slot-major ``(B, H, *shape, bs, L)``; a sink key
+    is never valid here (it is a candidate through its sink leaf)."""
+    slot = leaf.unsqueeze(-2) + torch.arange(p.block_size, device=leaf.device)[:, None]
+    flat = slot.flatten(2)
+    rank = index.order.gather(2, flat).view(slot.shape)
+    ok = index.slot_valid.gather(2, flat).view(slot.shape) & leaf_ok.unsqueeze(-2) & (rank >= p.sinks * p.block_size)
+    return M + slot, rank, ok
+
+
 def _candidates(index: KeyIndex, M: int, leaf: Tensor, leaf_ok: Tensor, sealed: Tensor | None, R: int,
                 p: HybridPlan):
     """Rows (into ``[keys by rank; keys by slot]``), ranks and validity of a run's candidate keys
@@ -148,12 +177,8 @@ def _candidates(index: KeyIndex, M: int, leaf: Tensor, leaf_ok: Tensor, sealed: 
     bs, dev = p.block_size, leaf.device
     sink_keys = p.sinks * bs
     t = torch.arange(bs, device=dev)
-    slot = leaf.unsqueeze(-2) + t[:, None]  # (B, H, nb, bs, Lt)
     B, H, nb = leaf.shape[:3]
-    flat = slot.flatten(2)
-    rank = index.order.gather(2, flat).view(slot.shape)
-    ok = index.slot_valid.gather(2, flat).view(slot.shape) & leaf_ok.unsqueeze(-2) & (rank >= sink_keys)
-    row = M + slot
+    row, rank, ok = _tree_rows(index, M, leaf, leaf_ok, p)
     by_rank = []
     if sink_keys:
         by_rank.append((t[:, None] + torch.arange(0, sink_keys, bs, device=dev)).expand(nb, bs, -1))
@@ -167,11 +192,12 @@ def _candidates(index: KeyIndex, M: int, leaf: Tensor, leaf_ok: Tensor, sealed: 
     return row, rank, ok
 
 
-def _attend(ctx, q, lo, keys, values, leaf, leaf_ok, sealed, blocks: slice, U: int, R: int) -> Tensor:
+def _attend(ctx, q, lo, keys, values, leaf, leaf_ok, sealed, blocks: slice, U: int, R: int, own=None) -> Tensor:
     """Outputs ``(B, H, nb * QB, Dv)`` of the query blocks ``blocks``: one product of each block's
     queries with its ``U`` window keys and its candidate keys gives every logit it needs (leaf
     scores and exact logits); the selected ones are picked from it, and the exact keys' weights,
-    scattered back into a dense row, take one product with the values."""
+    scattered back into a dense row, take one product with the values. ``own``: each query's
+    own candidate leaves (``query_descent``), whose keys extend that row past its ``E`` columns."""
     p, scale, causal, index, group_of, summaries, scratch = ctx
     B, H, _, D = q.shape
     qb, bs, w = _options.QUERY_BLOCK, p.block_size, p.window
@@ -189,29 +215,48 @@ def _attend(ctx, q, lo, keys, values, leaf, leaf_ok, sealed, blocks: slice, U: i
     qs = q[:, :, rows_q].unflatten(2, (nbk, qb)) * scale
     logits_all = scratch.get("logits", (B, H, nbk, qb, E), q)
     logits_all = qs @ kx.mT if logits_all is None else torch.matmul(qs, kx.mT, out=logits_all)
+    row_logits, x, Lo = logits_all, logits_all[..., U:], 0
+    if own is not None:  # each query's own leaves: keys and values gathered per query
+        orow, orank, ook = _tree_rows(index, M, own[0].unflatten(2, (nbk, qb)), own[1].unflatten(2, (nbk, qb)), p)
+        Lo = orow.shape[-1]
+        ko, vo = rows(keys, orow.flatten(-2)), rows(values, orow.flatten(-2))  # (B, H, nb, QB, bs Lo, .)
+        logits_own = (qs.unsqueeze(-2) @ ko.mT).squeeze(-2)
+        row_logits = torch.cat([logits_all, logits_own], -1)
+        x = torch.cat([x.unflatten(-1, (bs, L)), logits_own.unflatten(-1, (bs, Lo))], -1).flatten(-2)
     with torch.no_grad():
-        crank, cok = crank.flatten(-2).unsqueeze(-2), cok.flatten(-2).unsqueeze(-2)
         lo_e = lo_q.unsqueeze(-1)
+        crank = crank.flatten(-2).unsqueeze(-2).expand(B, H, nbk, qb, -1)
+        cok = cok.flatten(-2).unsqueeze(-2)
+        if own is not None:  # leaf layout: the block's L leaves, then the query's own Lo, slot-major
+            crank = torch.cat([crank.unflatten(-1, (bs, L)), orank], -1).flatten(-2)
+            cok = torch.cat([cok.expand(B, H, nbk, qb, -1).unflatten(-1, (bs, L)), ook], -1).flatten(-2)
+        Lt = L + Lo
         allowed = cok & ((crank < lo_e) if causal else (crank < lo_e) | (crank >= lo_e + w))
-        top, pick = largest(leaf_scores(logits_all[..., U:], allowed, bs, p.scoring), min(p.num_selected, L))
-        col = (pick.unsqueeze(-1) + torch.arange(0, bs * L, L, device=q.device)).flatten(-2)  # (.., QB, k bs)
-        ok = allowed.expand(*col.shape[:-1], -1).gather(-1, col) & (top > -math.inf).repeat_interleave(bs, -1)
-        pos = crank.expand(*col.shape[:-1], -1).gather(-1, col)
+        top, pick = largest(leaf_scores(x, allowed, bs, p.scoring), min(p.num_selected, Lt))
+        col = (pick.unsqueeze(-1) + torch.arange(0, bs * Lt, Lt, device=q.device)).flatten(-2)  # (.., QB, k bs)
+        ok = allowed.gather(-1, col) & (top > -math.inf).repeat_interleave(bs, -1)
+        pos = crank.gather(-1, col)
+        key, leaf_at = col // Lt, col % Lt  # column in the row of logits: the block's, or past E the query's own
+        col = torch.where(leaf_at < L, U + key * L + leaf_at, E + key * Lo + leaf_at - L)
         win = lo_e + torch.arange(w, device=q.device)  # (nb, QB, w)
         win_ok = ((win >= 0) & (win < M)).expand(B, H, *win.shape)
-        cols = torch.cat([(win - first.unsqueeze(-1)).expand(B, H, *win.shape), U + col], -1)
+        cols = torch.cat([(win - first.unsqueeze(-1)).expand(B, H, *win.shape), col], -1)
         pos = torch.cat([win.clamp(0, M - 1).expand(B, H, *win.shape), pos.clamp(0, M - 1)], -1)
         ok = torch.cat([win_ok, ok], -1)
         if causal:
             egroup = pos // causal_group_size(M, p.num_summaries, bs)
         else:
             egroup = group_of.gather(2, pos.flatten(2)).view(pos.shape)
-    logits = logits_all.gather(-1, cols).flatten(2, 3)
+    logits = row_logits.gather(-1, cols).flatten(2, 3)
     qk, count, sub, egroup, vals = summaries(rows_q, pos.flatten(2, 3), ok.flatten(2, 3), egroup.flatten(2, 3))
 
     def exact_values(we):
-        dense = scratch.get("weights", logits_all.shape, q)
-        dense = torch.zeros_like(logits_all) if dense is None else dense.zero_()
-        return (dense.scatter_add_(-1, cols, we.unflatten(2, (nbk, qb))) @ vx).flatten(2, 3)
+        dense = scratch.get("weights", row_logits.shape, q)
+        dense = torch.zeros_like(row_logits) if dense is None else dense.zero_()
+        dense = dense.scatter_add_(-1, cols, we.unflatten(2, (nbk, qb)))
+        out = dense[..., :E] @ vx
+        if own is not None:
+            out = out + (dense[..., E:].unsqueeze(-2) @ vo).squeeze(-2)
+        return out.flatten(2, 3)
 
     return combine(logits, exact_values, ok.flatten(2, 3), sub, egroup, qk, count, vals)

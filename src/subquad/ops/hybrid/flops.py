@@ -31,13 +31,17 @@ def flops(B, H, N, M, D, Dv, o) -> int:
     total = _tree_flops(p, D)
     K = 1 << p.start_level
     per_score = 2 if p.scoring == "mass" else 1  # products with the means and the principal directions
+    descents = 2 if p.query_descent else 1  # each block's, and each query's own
     for _ in range(p.start_level + 1, p.final_level + 1):
-        total += per_score * 2 * nq * 2 * K * D
+        total += descents * per_score * 2 * nq * 2 * K * D
         K = min(p.beam, 2 * K)
-    L = (K << (p.depth - p.final_level)) + p.sinks  # tree leaves and the sink leaves
+    tree = K << (p.depth - p.final_level)
+    L = tree + p.sinks  # tree leaves and the sink leaves
+    own = tree if p.query_descent else 0  # a query's own leaves: logits and values per query
+    total += 2 * nq * p.block_size * own * (D + Dv)
     lo = window_starts(N, M, None, p.window, False)
     lo += lo[-1:] * (nq - N)
-    for blocks, U, _ in runs(lo, None, p, qb, L * p.block_size, (D + Dv) * 4):
+    for blocks, U, _ in runs(lo, None, p, qb, (L + qb * own) * p.block_size, (D + Dv) * 4):
         total += 2 * (blocks.stop - blocks.start) * qb * (U + p.block_size * L) * (D + Dv)
     total += 2 * nq * p.num_summaries * (D + Dv)  # the summaries' logits and values
     return B * H * total
