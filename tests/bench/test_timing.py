@@ -39,3 +39,10 @@ def test_timing_warnings_name_a_loaded_machine_and_a_wide_spread():
     assert len(loaded) == 2 and "load average 1.9 on 2 cores" in loaded[0]
     (wide,) = timing_warnings(_result(0.3, 0.8))
     assert wide == "N=1024 linear: forward runs spread 80 % of their median"
+
+
+def test_a_rate_over_the_roof_is_named():
+    res = _result(0.3, 0.1)
+    res["rows"][0]["matmul_fraction"] = 1.33
+    (warning,) = timing_warnings(res)
+    assert warning.startswith("N=1024 linear: 133 % of the matmul roof")

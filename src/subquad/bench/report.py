@@ -150,6 +150,9 @@ def timing_warnings(res: dict[str, Any]) -> list[str]:
             out.append(f"the machine was loaded {when} the run (load average {load['load_1min']:.1f} on "
                        f"{load['cores']} cores, {threads} threads used): times may be inflated")
     for r in res["rows"]:
+        if (r.get("matmul_fraction") or 0.0) > 1.0:
+            out.append(f"N={r['n']} {r['method']}: {100 * r['matmul_fraction']:.0f} % of the matmul roof, which "
+                       "was measured low (or the method's FLOP formula counts work it does not do)")
         for what, key in (("forward", "forward_spread"), ("fwd+bwd", "forward_backward_spread")):
             if (r.get(key) or 0.0) > WIDE_SPREAD:
                 out.append(f"N={r['n']} {r['method']}: {what} runs spread {100 * r[key]:.0f} % of their median")
@@ -204,8 +207,8 @@ def _columns_explained(res: dict[str, Any]) -> list[str]:
         "- **GFLOP/s**: the forward's matmul FLOPs (formulas in `subquad.bench.flops`, checked against "
         "`torch.utils.flop_counter` in the tests; softmaxes and other elementwise work are not counted) "
         "over its time, and that as a share of this machine's matmul rate (the fastest measured block of "
-        "a large square matmul, measured at the start of the run). Methods dominated by elementwise work "
-        "or small matmuls sit far below 100%.",
+        "a large square matmul, the faster of its measurements at the start and at the end of the run). "
+        "Methods dominated by elementwise work or small matmuls sit far below 100%.",
         f"- **status**: `skipped` when a call was predicted to take over --max-call-seconds "
         f"({c['max_call_seconds']:g} s); `partial` or `FAILED` with the error below.",
     ]
