@@ -251,6 +251,24 @@ def test_slow_points_are_skipped_from_the_shorter_length():
     assert all(r["forward_s"] is not None and r["forward_backward_s"] is None for r in at8)
 
 
+def test_the_first_length_is_guarded_by_a_probe(monkeypatch):
+    """A first point longer than PROBE_N is predicted from one probe call there, so
+    --max-call-seconds applies to it too; the probe is not a result row."""
+    monkeypatch.setattr(compare, "PROBE_N", 8)
+    res = compare.run(_tiny(ns=[32], methods=["softmax", "linear"], max_call_seconds=1e-9), show_progress=False)
+    assert [r["n"] for r in res["rows"]] == [32, 32]
+    assert all(r["status"] == "skipped" and "growth from N=8" in r["notes"][0] for r in res["rows"])
+
+
+def test_points_predicted_over_the_available_memory_are_skipped(monkeypatch):
+    monkeypatch.setattr(compare, "measure_in_subprocess", lambda spec, timeout: {"forward_bytes": 10**6})
+    monkeypatch.setattr(compare, "available_memory", lambda device: 10**6)
+    res = compare.run(_tiny(ns=[8, 16], methods=["softmax", "linear"], memory=True), show_progress=False)
+    at8, at16 = ([r for r in res["rows"] if r["n"] == n] for n in (8, 16))
+    assert all(r["status"] == "ok" and r["forward_bytes"] == 10**6 for r in at8)
+    assert all(r["status"] == "skipped" and "GiB available" in r["notes"][0] for r in at16)
+
+
 def test_token_mixers_are_timed_without_an_error():
     mixers = [m.name for m in subquad.list_methods() if m.kind == "mixer"]
     if not mixers:

@@ -94,7 +94,9 @@ def _add_measurement(run) -> None:
     run.add_argument("--min-run-time", type=float, default=0.3, metavar="S",
                      help="seconds of measurement per timed call (torch.utils.benchmark)")
     run.add_argument("--max-call-seconds", type=float, default=20.0, metavar="S",
-                     help="skip a point whose single call is predicted (from a shorter N) to take longer")
+                     help="skip a point whose single call is predicted (from a shorter N, or a probe call at "
+                     "N=1024 before a longer first N) to take longer; points predicted over 80%% of the available "
+                     "memory are skipped too")
     run.add_argument("--no-memory", action="store_true", help="do not measure peak memory")
     run.add_argument("--no-backward", action="store_true", help="do not time forward+backward")
     run.add_argument("--out", type=Path, default=None, metavar="DIR",

@@ -34,7 +34,7 @@ from .memory import measure, measure_in_subprocess
 from .recommend import OBJECTIVES, budget_table, recommend
 from .report import leaderboard_text, markdown_compare, write_report
 from .timing import median_time
-from .workload import DTYPES, forward_backward_call, forward_call, full_options, mixer_module
+from .workload import DTYPES, forward_backward_call, forward_call, full_options, make_qkv, mixer_module
 
 __all__ = ["Config", "run", "write", "RENDERER", "progress_bar", "machine_info"]
 
@@ -53,8 +53,8 @@ def _growth(info, n: int, n_prev: int) -> float:
 
 
 def _predict(history: dict[int, dict[str, Any]], info, n: int, key: str) -> tuple[float, int] | None:
-    """Seconds predicted for ``key`` at ``n`` from the largest smaller length measured, with the
-    method's complexity (N or N^2), and that length."""
+    """``key`` (seconds or bytes) predicted at ``n`` from the largest smaller length measured
+    (or probed), with the method's complexity (N or N^2), and that length."""
     known = [m for m, r in history.items() if m < n and r.get(key) is not None]
     if not known:
         return None
@@ -93,6 +93,70 @@ def _new_row(info, n: int, user_options: dict[str, Any]) -> dict[str, Any]:
         "forward_bytes": None, "forward_backward_bytes": None, "rel_error": None,
         "flops": None, "flops_source": None,
     }
+
+
+#: the length a method is probed at, once, before its first point when that point is longer, so
+#: that the time and memory guards have something to scale up from
+PROBE_N = 1024
+#: share of the available memory a point's predicted forward peak may take
+MEMORY_SHARE = 0.8
+
+
+def _probe(p: _Point) -> None:
+    """Before a method's first point, when it is longer than :data:`PROBE_N`: one timed forward
+    at that length (after a warm-up) and, with memory measured on CPU, its peak memory in a fresh
+    process, into the method's history (not the results). A failing probe leaves the history
+    empty; the point itself then reports the failure."""
+    config = p.config
+    if p.history or p.n <= PROBE_N:
+        return
+    p.stage(f"probe at N={PROBE_N}")
+    entry: dict[str, Any] = {}
+    try:
+        q, k, v = make_qkv(config.batch, config.heads, PROBE_N, config.dim, dtype=p.q.dtype, device=p.q.device,
+                           seed=config.seed)
+        module = (mixer_module(p.info, config.heads, config.dim, p.user_options, dtype=q.dtype, device=q.device)
+                  if p.info.kind == "mixer" else None)
+        fwd = forward_call(p.info, q, k, v, p.user_options, seed=config.seed, module=module)
+        with torch.no_grad():
+            entry["forward_s"] = median_time(fwd, 0.0, min_runs=1).seconds
+    except Exception:  # noqa: BLE001
+        return
+    if config.memory and p.q.device.type == "cpu":
+        spec = {"method": p.info.name, "options": p.user_options, "batch": config.batch, "heads": config.heads,
+                "n": PROBE_N, "dim": config.dim, "dtype": config.dtype, "device": config.device,
+                "seed": config.seed, "backward": False, "threads": torch.get_num_threads()}
+        entry["forward_bytes"] = measure_in_subprocess(spec, timeout=120 + 10 * entry["forward_s"]).get("forward_bytes")
+    p.history[PROBE_N] = entry
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes a new allocation can take: free GPU memory, or the kernel's MemAvailable (Linux);
+    None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _skip_large_forward(p: _Point) -> bool:
+    """Mark the point skipped when its forward's peak memory, scaled from a shorter length with
+    the method's complexity, is predicted over :data:`MEMORY_SHARE` of the available memory."""
+    predicted = _predict(p.history, p.info, p.n, "forward_bytes")
+    free = available_memory(p.q.device)
+    if predicted is None or free is None or predicted[0] <= MEMORY_SHARE * free:
+        return False
+    p.row["status"] = "skipped"
+    p.row["notes"].append(
+        f"skipped: a forward would need about {predicted[0] / 2**30:.1f} GiB ({p.info.complexity} growth from "
+        f"N={predicted[1]}), over {100 * MEMORY_SHARE:.0f} % of the {free / 2**30:.1f} GiB available")
+    return True
 
 
 def _skip_slow_forward(p: _Point) -> bool:
@@ -223,7 +287,8 @@ def _measure_point(info, n: int, q, k, v, reference, config: Config, history, ba
     user_options = config.options.get(info.name, {})
     p = _Point(info, n, q, k, v, config, history, bar, user_options, _new_row(info, n, user_options),
                real_error=real_error)
-    if _skip_slow_forward(p):
+    _probe(p)
+    if _skip_slow_forward(p) or _skip_large_forward(p):
         return p.row
     measured = _time_forward(p)
     if measured is None:
