@@ -74,6 +74,9 @@ class MethodInfo:
     #: False when the op, given a ``key_padding_mask``, takes shapes from the mask's values (so
     #: ``torch.compile(fullgraph=True)`` cannot trace it; with graph breaks allowed it compiles)
     fullgraph_with_padding: bool = dataclasses.field(default=True, compare=False)
+    #: ``length_multiple(options) -> int``: what a padded batch's length should be a multiple of
+    #: for these options (the full options dataclass; Sinkhorn's block size); None: any length
+    length_multiple: Callable[[Any], int] | None = dataclasses.field(default=None, repr=False, compare=False)
     # the options' field names, read once here: torch.compile cannot trace dataclasses.fields()
     option_names: tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
@@ -149,6 +152,7 @@ def register_method(
     test_options: TestOptions | None = None,
     sampling_options: dict[str, Any] | None = None,
     fullgraph_with_padding: bool = True,
+    length_multiple: Callable[[Any], int] | None = None,
 ) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
     """Decorator: register ``impl(q, k, v, key_padding_mask, causal, scale, **options)``
     under ``name`` and return the checked public op. ``impl`` gets ``scale=None`` when the
@@ -208,7 +212,7 @@ def register_method(
                     cross_attention=cross_attention, stochastic=stochastic,
                     learned_parameters=learned_parameters, options=options, op=op, core=core, flops=flops,
                     peer=peer, test_options=test_options, sampling_options=sampling_options,
-                    fullgraph_with_padding=fullgraph_with_padding)
+                    fullgraph_with_padding=fullgraph_with_padding, length_multiple=length_multiple)
         return op
 
     return decorator

@@ -81,6 +81,9 @@ def test_bucket_padding_within_the_cap_and_rounded(data_dir):
     data = listops.ListOpsDataset(listops.load_splits(data_dir)["train"])
     cfg = TrainConfig(**TINY, method="sinkhorn", method_options={"block_size": 8})
     assert pad_multiple(cfg) == 64 and pad_multiple(TrainConfig(batching="pad")) is None
+    # the method's registry entry says what a length must divide by: Sinkhorn's block size
+    assert pad_multiple(TrainConfig(method="sinkhorn", method_options={"block_size": 48})) == 192
+    assert pad_multiple(TrainConfig(method="nystrom", method_options={"num_landmarks": 48})) == 64
     sampler = BucketBatchSampler(data.data.lengths(), 8, seed=0, cap=cfg.pad_to)
     for _ in range(sampler.batches_per_epoch):
         idx = next(sampler)

@@ -234,12 +234,15 @@ class TrainConfig:
 
 def pad_multiple(cfg: TrainConfig) -> int | None:
     """What a batch's length is rounded up to: None (pad to ``pad_to``) with ``batching="pad"``,
-    else :data:`PAD_MULTIPLE`, or its least common multiple with sinkhorn's ``block_size``."""
+    else :data:`PAD_MULTIPLE`, or its least common multiple with the method's ``length_multiple``
+    for its options (Sinkhorn's ``block_size``)."""
     if cfg.batching == "pad":
         return None
-    if cfg.method == "sinkhorn":
-        return math.lcm(PAD_MULTIPLE, int(cfg.method_options.get("block_size", 64)))
-    return PAD_MULTIPLE
+    info = get_method(cfg.method)
+    if info.length_multiple is None:
+        return PAD_MULTIPLE
+    options = {k: v for k, v in cfg.method_options.items() if k in info.option_names}  # not module-only options
+    return math.lcm(PAD_MULTIPLE, int(info.length_multiple(info.make_options(**options))))
 
 
 def eval_batches(data: listops.ListOpsDataset, indices: np.ndarray, batch_size: int, cfg: TrainConfig):

@@ -152,7 +152,8 @@ def flops(B, H, N, M, D, Dv, o):
                  peer="subquad.bench.peers:SINKHORN_TRANSFORMER",
                  # small blocks, so the tiny test lengths hold several blocks and the sorting runs
                  test_options={"block_size": 4},
-                 sampling_options={"training": True})  # Gumbel noise
+                 sampling_options={"training": True},  # Gumbel noise
+                 length_multiple=lambda o: o.block_size)  # whole blocks: no partial block padded inside
 def sinkhorn_attention(
     q, k, v, key_padding_mask, causal, scale, *, block_size, sinkhorn_iters, tau, top_blocks,
     sortcut_blocks, sort_logits, training, generator,
