@@ -144,7 +144,7 @@ def _approximate(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, causal: 
     p = plan(o, Mv, causal)
     lo = window_starts(N, M, valid, p.window, causal)
     tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    kernel = None if tracked or p.query_descent or not numpy_path(q.detach()) else _kernel()
+    kernel = None if tracked or not numpy_path(q.detach()) else _kernel()
     if kernel is None:
         return hybrid_core(q, k, v, lo, causal, scale, p)
     return kernel.hybrid_kernel(q, k, v, lo, scale, p)

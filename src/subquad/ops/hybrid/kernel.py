@@ -436,20 +436,72 @@ def _task(h, blk, qs, k, v, lo, cfg, hd, s, out):
     np.dot(s.qb, s.kb[:E].T, logits)
     nd = _mask_static(logits, U, C, lo_first, lo_last, cfg, s)
     for j in range(nq):
+        _query(logits[j], s.qb[j], lo[i0 + j], lo_first, M, nleaf, nd, cfg, h, hd, s, out[h, i0 + j])
+
+
+@njit(fastmath=_FAST, cache=True)
+def _query(row, qv, lo_i, lo_first, M, nleaf, nd, cfg, h, hd, s, out):
+    """One query's output from its row of logits ``row`` (window from ``lo_first``, candidates,
+    summaries' key sums): the dirty keys it may not select masked (in its window, or causal
+    after it), its exact keys, its summary columns, the softmax."""
+    w, causal, U = cfg[0], cfg[11], s.dims[0]
+    for a in range(nd):
+        e = s.dirty[a]
+        r = s.rank[e]
+        if r >= lo_i and (causal or r < lo_i + w):
+            row[U + e] = _NEG
+    nx, nwin = _exact(row, lo_i, lo_first, M, nleaf, s.rank, cfg, s)
+    ncol = _columns(row, qv, lo_i, M, nx, nwin, cfg, h, hd, s)
+    _softmax_row(s.vb, nx, ncol, lo_i, cfg, h, hd, s, out)
+
+
+@njit(fastmath=_FAST, cache=True)
+def _task_own(h, blk, qs, k, v, lo, cfg, hd, s, out):
+    """:func:`_task` with ``query_descent``: the block's descent once, then for each query its
+    own; the query's candidates are the block's final nodes and its own (those the block did not
+    keep), gathered and multiplied for that query alone."""
+    w, bs, G, chunk, causal = cfg[0], cfg[1], cfg[3], cfg[9], cfg[11]
+    QB = s.qb.shape[0]
+    N, M = qs.shape[1], k.shape[1]
+    i0 = blk * QB
+    nq = min(QB, N - i0)
+    lo_last = lo[i0 + nq - 1]
+    s.qb[:nq] = qs[h, i0: i0 + nq]
+    s.qb[nq:] = 0.0
+    sealed = 0
+    if causal:
+        sealed = max(max(lo[i0], 0) // chunk - 1, 0) * chunk
+        for j in range(QB):
+            s.qd[j] = qs[h, max(i0 - QB + 1 + j, 0)]
+        nblock = _descend(s.qd, QB, sealed, cfg, hd.count[h], hd.mean[h], hd.direction[h], hd.ends[h], s)
+    else:
+        nblock = _descend(s.qb, nq, sealed, cfg, hd.count[h], hd.mean[h], hd.direction[h], hd.ends[h], s)
+    s.mnode[:nblock] = s.node[:nblock]
+    s.mscore[:nblock] = s.score[:nblock]
+    for j in range(nq):
         lo_i = lo[i0 + j]
-        row = logits[j]
-        for a in range(nd):  # keys the query may not select: in its window, or (causal) after it
-            e = s.dirty[a]
-            r = s.rank[e]
-            if r >= lo_i and (causal or r < lo_i + w):
-                row[U + e] = _NEG
-        nx, nwin = _exact(row, lo_i, lo_first, M, nleaf, s.rank, cfg, s)
-        ncol = _columns(logits[j], s.qb[j], lo_i, M, nx, nwin, cfg, h, hd, s)
-        _softmax_row(s.vb, nx, ncol, lo_i, cfg, h, hd, s, out[h, i0 + j])
+        nown = _descend(s.qb[j: j + 1], 1, sealed, cfg, hd.count[h], hd.mean[h], hd.direction[h], hd.ends[h], s)
+        m = nblock
+        for a in range(nown):
+            kept = False
+            for b in range(nblock):
+                kept |= s.mnode[b] == s.node[a] and s.mscore[b] > _NEG
+            if not kept:
+                s.mnode[m], s.mscore[m] = s.node[a], s.score[a]
+                m += 1
+        nleaf = _candidates(s.mnode, s.mscore, m, sealed, lo_last, M, hd.order[h], hd.slot_valid[h], cfg, s.rank,
+                            s.ok)
+        C = nleaf * bs
+        E = w + C + G
+        _gather_rows(k[h], v[h], hd.gk[h], lo_i, w, C, s)
+        logits = s.pflat[:E].reshape(1, E)
+        np.dot(s.qb[j: j + 1], s.kb[:E].T, logits)
+        nd = _mask_static(logits, w, C, lo_i, lo_i, cfg, s)
+        _query(logits[0], s.qb[j], lo_i, lo_i, M, nleaf, nd, cfg, h, hd, s, out[h, i0 + j])
 
 
 Scratch = namedtuple("Scratch", "qb qd node score child base straddle vbuf cs tmp topi topv pflat rank ok kb dims "
-                                "lscore xl xr xg cq cn lc dirty e0 e1 ex bits vb xv")
+                                "lscore xl xr xg cq cn lc dirty e0 e1 ex bits vb xv mnode mscore")
 Heads = namedtuple("Heads", "order slot_valid count mean direction ends gcnt gk gv group_of prek prev")
 
 
@@ -466,7 +518,8 @@ def _scratch(D, Dv, sizes, like):
                    np.zeros(2, np.int64), np.empty(L, dt), np.empty(X, dt), np.empty(X, np.int64),
                    np.empty(X, np.int64), np.empty(cols, dt), np.empty(cols, dt), np.empty(cols, dt),
                    np.empty(C, np.int64), np.empty(K, dt), np.empty(K, dt), np.empty(max(C, K, X + cols), dt),
-                   np.empty(max(C, K, X + cols), np.int32), np.empty((E, Dv), dt), np.empty(X, np.int64))
+                   np.empty(max(C, K, X + cols), np.int32), np.empty((E, Dv), dt), np.empty(X, np.int64),
+                   np.empty(2 * nodes, np.int64), np.empty(2 * nodes, dt))
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True)
@@ -478,7 +531,10 @@ def _forward(qs, k, v, lo, cfg, sizes, hd, out):
     nb = (N + QB - 1) // QB
     for t in prange(BH * nb):
         s = _scratch(qs.shape[2], v.shape[2], sizes, qs)
-        _task(t // nb, t % nb, qs, k, v, lo, cfg, hd, s, out)
+        if cfg[15]:
+            _task_own(t // nb, t % nb, qs, k, v, lo, cfg, hd, s, out)
+        else:
+            _task(t // nb, t % nb, qs, k, v, lo, cfg, hd, s, out)
 
 
 @njit(parallel=True, cache=True)
@@ -543,7 +599,7 @@ def _sizes(lo: list[int], N: int, M: int, p: HybridPlan, D: int) -> np.ndarray:
         if p.causal:
             sealed = sealed_ends(first, p)
             recent = max(recent, -(-max(last - sealed, 0) // bs))
-    L = p.sinks + recent + nodes * per_node
+    L = p.sinks + recent + (2 if p.query_descent else 1) * nodes * per_node  # query_descent: the block's and its own
     K = 2 * nodes
     E = U + L * bs + p.num_summaries
     return np.array([QB, nodes, K, p.window + p.num_selected * bs, L, L * bs, E, QB * max(E, 2 * K),
@@ -579,7 +635,7 @@ def hybrid_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: list[in
     gs = causal_group_size(M, p.num_summaries, p.block_size) if p.causal else 0
     cfg = np.array([p.window, p.block_size, p.num_selected, p.num_summaries, p.sinks, p.start_level, p.final_level,
                     p.depth, p.chunk_level, p.chunk_size, p.beam + p.causal, p.causal, p.scoring == "mass", gs,
-                    p.slots], dtype=np.int64)
+                    p.slots, p.query_descent], dtype=np.int64)
     qs = reused("qs", (BH, N, D), kf.numpy().dtype)
     torch.mul(q.reshape(BH, N, D), scale, out=torch.from_numpy(qs))
     out = np.empty((BH, N, Dv), dtype=qs.dtype)
