@@ -151,8 +151,7 @@ def register_method(
     peer: str | None = None,
     test_options: TestOptions | None = None,
     sampling_options: dict[str, Any] | None = None,
-    fullgraph_with_padding: bool = True,
-    length_multiple: Callable[[Any], int] | None = None,
+    fullgraph_with_padding: bool = True, length_multiple: Callable[[Any], int] | None = None,
 ) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
     """Decorator: register ``impl(q, k, v, key_padding_mask, causal, scale, **options)``
     under ``name`` and return the checked public op. ``impl`` gets ``scale=None`` when the

@@ -144,6 +144,11 @@ def flops(B, H, N, M, D, Dv, o):
     return B * H * per_head
 
 
+def _whole_blocks(o: SinkhornOptions) -> int:
+    """What a padded batch's length should divide by: the block size (no partial block padded inside)."""
+    return o.block_size
+
+
 @register_method("sinkhorn", options=SinkhornOptions,
                  summary="Sparse Sinkhorn attention: blocks + soft block permutation by Gumbel-Sinkhorn (Tay et al. "
                  "2020); the op takes sort logits, the module's sort network (sort_net='mlp') is learned",
@@ -153,7 +158,7 @@ def flops(B, H, N, M, D, Dv, o):
                  # small blocks, so the tiny test lengths hold several blocks and the sorting runs
                  test_options={"block_size": 4},
                  sampling_options={"training": True},  # Gumbel noise
-                 length_multiple=lambda o: o.block_size)  # whole blocks: no partial block padded inside
+                 length_multiple=_whole_blocks)
 def sinkhorn_attention(
     q, k, v, key_padding_mask, causal, scale, *, block_size, sinkhorn_iters, tau, top_blocks,
     sortcut_blocks, sort_logits, training, generator,
