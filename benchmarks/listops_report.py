@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tqdm import tqdm
+
 LABEL_ENTROPY = 2.2491  # nats, of the training labels (docs/results.md)
 
 
@@ -150,7 +152,8 @@ def main() -> None:
     dirs = sorted((d for d in args.runs.iterdir() if (d / "metrics.csv").is_file()),
                   key=lambda d: (order.index(d.name.partition("-seed")[0]) if d.name.partition("-seed")[0] in order
                                  else len(order), d.name))
-    runs = [_run(d, args.data, not args.no_evaluate) for d in dirs]
+    # subquad evaluate per run: minutes in all, so one line per run as it goes
+    runs = [_run(d, args.data, not args.no_evaluate) for d in tqdm(dirs, desc="listops runs", unit="run")]
     table = _table(runs) + _seed_summary(runs)
     print(table)
     text = args.doc.read_text()
