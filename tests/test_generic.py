@@ -480,3 +480,18 @@ def test_nan_input_gives_nan_output_not_an_error(method, where):
     out = run_method(method, q, k, v)
     assert out[0, 1].isnan().any()
     assert not out[0, 0].isnan().any()  # the other head is untouched
+
+
+def test_registry_logit_scale_is_what_the_op_does(method):
+    """``logit_scale=False`` in the entry exactly when the op refuses an explicit scale; ``exact``
+    exactly when it is softmax attention to rounding."""
+    info = subquad.get_method(method)
+    q, k, v = qkv(1, 2, 37, 8)  # longer than the test options' budgets: no method falls back to exact
+    if info.logit_scale:
+        run_method(method, q, k, v, scale=0.5)
+    else:
+        with pytest.raises(ValueError, match="no logit scale"):
+            run_method(method, q, k, v, scale=0.5)
+    out = run_method(method, q, k, v)
+    exact = subquad.attention(q, k, v, method="softmax")
+    assert info.exact == bool(torch.allclose(out, exact, rtol=1e-9, atol=1e-9))

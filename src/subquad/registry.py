@@ -74,6 +74,11 @@ class MethodInfo:
     #: False when the op, given a ``key_padding_mask``, takes shapes from the mask's values (so
     #: ``torch.compile(fullgraph=True)`` cannot trace it; with graph breaks allowed it compiles)
     fullgraph_with_padding: bool = dataclasses.field(default=True, compare=False)
+    #: True for exact softmax attention: it forms the attention weights (``need_weights``, dropout
+    #: on them, torch's fused encoder path) and is the baseline the benchmarks measure against
+    exact: bool = dataclasses.field(default=False, compare=False)
+    #: False for a method without a logit scale (its op refuses an explicit ``scale``)
+    logit_scale: bool = dataclasses.field(default=True, compare=False)
     #: ``length_multiple(options) -> int``: what a padded batch's length should be a multiple of
     #: for these options (the full options dataclass; Sinkhorn's block size); None: any length
     length_multiple: Callable[[Any], int] | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -143,15 +148,11 @@ def register_method(
     causal: bool,
     cross_attention: bool,
     complexity: str,
-    stochastic: bool = False,
-    learned_parameters: bool = False,
-    key_padding: bool = True,
-    core: str | None = None,
-    flops: Callable[..., int] | None = None,
-    peer: str | None = None,
-    test_options: TestOptions | None = None,
-    sampling_options: dict[str, Any] | None = None,
+    stochastic: bool = False, learned_parameters: bool = False, key_padding: bool = True,
+    core: str | None = None, flops: Callable[..., int] | None = None, peer: str | None = None,
+    test_options: TestOptions | None = None, sampling_options: dict[str, Any] | None = None,
     fullgraph_with_padding: bool = True, length_multiple: Callable[[Any], int] | None = None,
+    exact: bool = False, logit_scale: bool = True,
 ) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
     """Decorator: register ``impl(q, k, v, key_padding_mask, causal, scale, **options)``
     under ``name`` and return the checked public op. ``impl`` gets ``scale=None`` when the
@@ -211,7 +212,8 @@ def register_method(
                     cross_attention=cross_attention, stochastic=stochastic,
                     learned_parameters=learned_parameters, options=options, op=op, core=core, flops=flops,
                     peer=peer, test_options=test_options, sampling_options=sampling_options,
-                    fullgraph_with_padding=fullgraph_with_padding, length_multiple=length_multiple)
+                    fullgraph_with_padding=fullgraph_with_padding, length_multiple=length_multiple, exact=exact,
+                    logit_scale=logit_scale)
         return op
 
     return decorator

@@ -139,7 +139,7 @@ class RetrofitAttention(nn.Module):
         info = subquad.get_method(self.method)
         if info.stochastic and self.method != "performer":
             opts["generator"] = torch.Generator(device=q.device).manual_seed(self.seed + 1000 * self.layer)
-        if self.method in ("linear", "efficient"):
+        if not info.logit_scale:
             if scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-9 * scale:
                 raise NotImplementedError(f"{self.method} has no logit scale; this model scales logits by {scale}, "
                                           f"not head_dim ** -0.5")

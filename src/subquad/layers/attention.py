@@ -187,7 +187,7 @@ class MultiheadAttention(nn.Module):
         if info.kind != "attention":
             raise ValueError(f"method {method!r} is a token mixer on x (B, N, C), not attention on q, k, v; "
                              f"build it with subquad.get_method({method!r}).module(embed_dim, num_heads)")
-        if dropout > 0 and method != "softmax":
+        if dropout > 0 and not info.exact:
             raise ValueError(f"dropout on attention weights exists only for method='softmax', not {method!r}; "
                              "use dropout=0.0")
         factory = {"device": device, "dtype": dtype}
@@ -204,7 +204,7 @@ class MultiheadAttention(nn.Module):
         self._packed_qkv = packed
         # torch's TransformerEncoder(Layer) reads this flag to pick its fused exact-attention
         # fast path; only plain softmax may take it (the fused kernel knows no extra keys).
-        self._qkv_same_embed_dim = packed and method == "softmax" and not (add_bias_kv or add_zero_attn)
+        self._qkv_same_embed_dim = packed and info.exact and not (add_bias_kv or add_zero_attn)
         if packed:
             self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, **factory))
             self.register_parameter("q_proj_weight", None)
@@ -275,7 +275,7 @@ class MultiheadAttention(nn.Module):
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
-        exact = self.method == "softmax"
+        exact = get_method(self.method).exact
         if need_weights is None:
             need_weights = exact
         elif need_weights and not exact:
@@ -294,7 +294,7 @@ class MultiheadAttention(nn.Module):
                        is_causal, batch_first):
         """forward on plain tensors, with the layout given by ``batch_first`` (nested inputs come
         here padded, batch first)."""
-        exact = self.method == "softmax"
+        exact = get_method(self.method).exact
         unbatched = self._check_shapes(query, key, value, key_padding_mask, attn_mask)
         if unbatched:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)

@@ -81,7 +81,7 @@ def build_mixer(method: str, dim: int, heads: int, *, attention_dropout: float =
 
 def supports_attention_dropout(method: str) -> bool:
     """Whether ``method`` has dropout on attention weights (only exact ``softmax``)."""
-    return get_method(method).kind == "attention" and method == "softmax"
+    return get_method(method).exact
 
 
 def sinusoidal_positions(length: int, dim: int) -> Tensor:

@@ -30,7 +30,7 @@ def flops(B, H, N, M, D, Dv, o):
 
 
 @register_method("efficient", options=EfficientOptions, summary="double-softmax linear attention (Shen et al. 2021)",
-                 causal=False, cross_attention=True, complexity="linear", flops=flops)
+                 causal=False, cross_attention=True, complexity="linear", flops=flops, logit_scale=False)
 def efficient_attention(q, k, v, key_padding_mask, causal, scale):
     """Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
 
