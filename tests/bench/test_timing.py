@@ -46,3 +46,16 @@ def test_a_rate_over_the_roof_is_named():
     res["rows"][0]["matmul_fraction"] = 1.33
     (warning,) = timing_warnings(res)
     assert warning.startswith("N=1024 linear: 133 % of the matmul roof")
+
+
+def test_least_memory_says_when_exact_attention_wins():
+    from subquad.bench.report import least_memory_lines
+
+    rows = [{"n": 1024, "method": "softmax", "forward_bytes": 1 << 20},
+            {"n": 1024, "method": "linear", "forward_bytes": 2 << 20},
+            {"n": 4096, "method": "softmax", "forward_bytes": 8 << 20},
+            {"n": 4096, "method": "linear", "forward_bytes": 4 << 20}]
+    lines = least_memory_lines({"rows": rows})
+    assert lines[0] == "## Memory"
+    assert "N=1024: least forward peak memory: softmax" in lines[2] and "exact attention uses less" in lines[2]
+    assert "N=4096: least forward peak memory: linear" in lines[3] and "exact attention 8" in lines[3]

@@ -214,6 +214,25 @@ def _columns_explained(res: dict[str, Any]) -> list[str]:
     ]
 
 
+def least_memory_lines(res: dict[str, Any]) -> list[str]:
+    """Which method's forward peaks lowest at each N, said plainly: on CPU exact attention (SDPA,
+    which never forms the N x N matrix there) often does."""
+    lines = []
+    for n in sorted({r["n"] for r in res["rows"]}):
+        rows = [r for r in res["rows"] if r["n"] == n and r.get("forward_bytes") is not None]
+        if not rows:
+            continue
+        best = min(rows, key=lambda r: r["forward_bytes"])
+        exact = next((r for r in rows if r["method"] == "softmax"), None)
+        text = f"- N={n}: least forward peak memory: {best['method']} ({fmt_bytes(best['forward_bytes'])})"
+        if exact is not None and exact is not best:
+            text += f"; exact attention {fmt_bytes(exact['forward_bytes'])}"
+        elif exact is best:
+            text += ": exact attention uses less memory than every approximation here"
+        lines.append(text)
+    return ["## Memory", "", *lines] if lines else []
+
+
 def markdown_compare(res: dict[str, Any], images: list[str]) -> str:
     c, m = res["config"], res["machine"]
     rate = m["matmul_flops_per_s"]
@@ -245,6 +264,7 @@ def markdown_compare(res: dict[str, Any], images: list[str]) -> str:
             f"{label} stays within E, with its speed-up over exact attention: the methods on the time/error "
             "Pareto front. `subquad compare --n N --max-error E` answers for your own length and budget.", "",
             md_table(headers, body)]
+    out += ["", *least_memory_lines(res)]
     if images:
         out += ["", "## Plots"]
         for p in images:
