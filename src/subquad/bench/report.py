@@ -224,9 +224,9 @@ def least_memory_lines(res: dict[str, Any]) -> list[str]:
             continue
         best = min(rows, key=lambda r: r["forward_bytes"])
         exact = next((r for r in rows if r["method"] == "softmax"), None)
-        text = f"- N={n}: least forward peak memory: {best['method']} ({fmt_bytes(best['forward_bytes'])})"
+        text = f"- N={n}: least forward peak memory: {best['method']} ({fmt_bytes(best['forward_bytes'])} MiB)"
         if exact is not None and exact is not best:
-            text += f"; exact attention {fmt_bytes(exact['forward_bytes'])}"
+            text += f"; exact attention {fmt_bytes(exact['forward_bytes'])} MiB"
         elif exact is best:
             text += ": exact attention uses less memory than every approximation here"
         lines.append(text)
