@@ -219,3 +219,51 @@ def test_duplicate_finder_finds_a_duplicate(tmp_path):
 def test_no_duplicated_runs(size):
     rows = duplicated_runs(MODULES.values(), size)
     assert not rows, f"runs of {size} lines written twice:\n" + "\n".join(rows)
+
+
+# Branches on a method's name that are still waiting for a registry fact (issues 27 and 28: hedgehog
+# is not yet a registered method, performer's feature redraw and the decode list live in the
+# retrofit). Each entry is "file: name"; remove it when the branch goes.
+NAME_BRANCHES_ALLOWED = {
+    "subquad/hf/retrofit.py: hedgehog",
+    "subquad/hf/retrofit.py: performer",
+    "subquad/hf/retrofit.py: softmax",
+    "subquad/hf/retrofit.py: linear",
+}
+
+
+def _name_branches():
+    """``file: name`` for every comparison (``==``, ``!=``, ``in``, ``not in``) with a string literal
+    naming a registered method (or hedgehog), and every literal list of two or more of them,
+    outside that method's own folder ``ops/<name>/`` and layer module ``layers/<name>.py``."""
+    import subquad
+
+    names = {m.name for m in subquad.list_methods()} | {"hedgehog"}
+    found = set()
+    for path in MODULES.values():
+        rel = path.relative_to(SRC).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)):  # a hand-kept list of methods
+                listed = [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in names]
+                found.update(f"{rel}: {name}" for name in listed if len(listed) > 1)
+            if not isinstance(node, ast.Compare):
+                continue
+            left = node.left.attr if isinstance(node.left, ast.Attribute) else getattr(node.left, "id", None)
+            if left == "complexity":  # "linear" the complexity class, not the method
+                continue
+            for side in [node.left, *node.comparators]:
+                elts = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                for e in elts:
+                    if isinstance(e, ast.Constant) and e.value in names:
+                        own = (f"subquad/ops/{e.value}/", f"subquad/layers/{e.value}.py")
+                        if not rel.startswith(own):
+                            found.add(f"{rel}: {e.value}")
+    return found
+
+
+def test_no_branch_on_a_method_name_outside_its_folder():
+    """What code asks of a method it asks its registry entry (exact, logit_scale, causal,
+    length_multiple...), not its name: a new method then needs no edits elsewhere."""
+    found = _name_branches()
+    assert found <= NAME_BRANCHES_ALLOWED, sorted(found - NAME_BRANCHES_ALLOWED)
+    assert NAME_BRANCHES_ALLOWED <= found, f"no longer needed, remove: {sorted(NAME_BRANCHES_ALLOWED - found)}"

@@ -30,6 +30,7 @@ import torch
 
 import subquad
 
+from .bench.common import exact_method
 from .bench.workload import DTYPES
 from .cli_base import DefaultsFormatter, OptionError, add_option_argument, multi_method_options
 
@@ -118,7 +119,8 @@ def _methods(p: argparse.ArgumentParser, args: argparse.Namespace, infos: dict[s
         unknown = [m for m in selected if m not in infos]
         if unknown:
             p.error(f"unknown method(s) {unknown}; known methods are {runnable}")
-    return selected, selected if "softmax" in selected else ["softmax", *selected]
+    exact = exact_method()  # the baseline always runs
+    return selected, selected if exact in selected else [exact, *selected]
 
 
 def _options(p: argparse.ArgumentParser, specs: list[str], infos: dict[str, Any], selected: list[str],

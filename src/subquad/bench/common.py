@@ -26,8 +26,8 @@ import subquad
 from .fidelity import exact_reference, relative_error
 from .workload import forward_call, make_qkv
 
-__all__ = ["Config", "machine_info", "machine_load", "source_state", "progress_bar", "random_inputs",
-           "attention_methods", "method_errors", "error_inputs_label", "Renderer",
+__all__ = ["Config", "exact_method", "is_exact", "machine_info", "machine_load", "source_state", "progress_bar",
+           "random_inputs", "attention_methods", "method_errors", "error_inputs_label", "Renderer",
            "register_renderer", "renderer_for", "fmt_seconds", "fmt_bytes", "fmt_ratio", "fmt_error", "fmt_rate",
            "text_table", "md_table"]
 
@@ -84,6 +84,17 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
+
+
+def exact_method() -> str:
+    """The registered exact attention (its entry's ``exact``): the baseline every method is
+    measured against."""
+    return next(m.name for m in subquad.list_methods() if m.exact)
+
+
+def is_exact(name: str) -> bool:
+    """Whether ``name`` (a method in a results document) is registered as exact attention."""
+    return any(m.name == name and m.exact for m in subquad.list_methods())
 
 
 def machine_load() -> dict[str, float] | None:

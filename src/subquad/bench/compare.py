@@ -27,7 +27,7 @@ from torch import Tensor
 import subquad
 
 from . import flops as flop_counts
-from .common import (Config, Renderer, error_inputs_label, machine_info, machine_load, progress_bar,
+from .common import (Config, Renderer, error_inputs_label, is_exact, machine_info, machine_load, progress_bar,
                      random_inputs, register_renderer)
 from .fidelity import relative_error
 from .memory import measure, measure_in_subprocess
@@ -307,7 +307,7 @@ def _measure_point(info, n: int, q, k, v, reference, config: Config, history, ba
 
 def _derived(rows: list[dict[str, Any]], rates: dict[str, float]) -> None:
     """Speed-ups over exact attention at the same N and the achieved FLOP rate."""
-    exact = {r["n"]: r for r in rows if r["method"] == "softmax"}
+    exact = {r["n"]: r for r in rows if is_exact(r["method"])}
     roof = rates.get("run_dtype") or rates.get("float32")
     for r in rows:
         base = exact.get(r["n"])

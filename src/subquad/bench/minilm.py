@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 
-from .common import (Config, Renderer, attention_methods, fmt_error, machine_info, md_table, method_errors,
-                     progress_bar, register_renderer, text_table)
+from .common import (Config, Renderer, attention_methods, fmt_error, is_exact, machine_info, md_table,
+                     method_errors, progress_bar, register_renderer, text_table)
 from .fidelity import attention_sharpness, exact_reference, relative_error
 from .workload import DTYPES, make_qkv
 
@@ -274,7 +274,7 @@ def plot_minilm(res: dict[str, Any], out: Path) -> list[Path]:
 
     from .plots import log_axis, method_colors, save_figure
 
-    rows = [r for r in res["rows"] if not r["error"] and r["method"] != "softmax"]
+    rows = [r for r in res["rows"] if not r["error"] and not is_exact(r["method"])]
     rows.sort(key=lambda r: r["real_mean"])
     colors = method_colors([r["method"] for r in res["rows"]])
     fig, (left, right) = plt.subplots(1, 2, figsize=(12.5, 0.42 * max(len(rows), 5) + 2.6),

@@ -14,8 +14,8 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-from .common import (Renderer, error_inputs_label, fmt_bytes, fmt_error, fmt_rate, fmt_ratio, fmt_seconds,
-                     md_table, renderer_for, text_table)
+from .common import (Renderer, error_inputs_label, exact_method, fmt_bytes, fmt_error, fmt_rate, fmt_ratio,
+                     fmt_seconds, is_exact, md_table, renderer_for, text_table)
 from .timing import MIN_RUNS
 
 __all__ = ["timing_warnings", "leaderboard_text", "markdown_compare", "markdown", "write_report", "text_table",
@@ -126,7 +126,7 @@ def _budget_table(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     body = []
     for b in res["budgets"]:
         low, high = fmt_error(b["from_error"]), fmt_error(b["to_error"])
-        if b["method"] == "softmax":  # exact: its error is float rounding, any budget above it
+        if is_exact(b["method"]):  # its error is float rounding: any budget above it
             budget = "any E" if b["to_error"] is None else f"E < {high}"
         else:
             budget = f"E >= {low}" if b["to_error"] is None else f"{low} <= E < {high}"
@@ -217,13 +217,14 @@ def _columns_explained(res: dict[str, Any]) -> list[str]:
 def least_memory_lines(res: dict[str, Any]) -> list[str]:
     """Which method's forward peaks lowest at each N, said plainly: on CPU exact attention (SDPA,
     which never forms the N x N matrix there) often does."""
+    exact_name = exact_method()
     lines = []
     for n in sorted({r["n"] for r in res["rows"]}):
         rows = [r for r in res["rows"] if r["n"] == n and r.get("forward_bytes") is not None]
         if not rows:
             continue
         best = min(rows, key=lambda r: r["forward_bytes"])
-        exact = next((r for r in rows if r["method"] == "softmax"), None)
+        exact = next((r for r in rows if r["method"] == exact_name), None)
         text = f"- N={n}: least forward peak memory: {best['method']} ({fmt_bytes(best['forward_bytes'])} MiB)"
         if exact is not None and exact is not best:
             text += f"; exact attention {fmt_bytes(exact['forward_bytes'])} MiB"

@@ -30,8 +30,8 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from .common import (Config, Renderer, attention_methods, fmt_error, machine_info, md_table, method_errors,
-                     progress_bar, register_renderer, text_table)
+from .common import (Config, Renderer, attention_methods, fmt_error, is_exact, machine_info, md_table,
+                     method_errors, progress_bar, register_renderer, text_table)
 from .fidelity import exact_reference, relative_error
 from .prose import iter_docstrings, package_dir
 
@@ -397,7 +397,7 @@ def plot_smollm(res: dict[str, Any], out: Path) -> list[Path]:
 
     from .plots import log_axis, method_colors, save_figure
 
-    names = [name for name in (res["points"][0]["errors"] if res["points"] else []) if name != "softmax"]
+    names = [name for name in (res["points"][0]["errors"] if res["points"] else []) if not is_exact(name)]
     colors = method_colors(names)
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     ns = [p["n"] for p in res["points"]]
