@@ -495,3 +495,16 @@ def test_registry_logit_scale_is_what_the_op_does(method):
     out = run_method(method, q, k, v)
     exact = subquad.attention(q, k, v, method="softmax")
     assert info.exact == bool(torch.allclose(out, exact, rtol=1e-9, atol=1e-9))
+
+
+def test_registry_query_local_is_what_the_op_does(method):
+    """``query_local``: a causal query's output does not move when the other queries change (what
+    lets a decoder compute new queries alone against its cache)."""
+    info = subquad.get_method(method)
+    if not (info.causal and info.query_local):
+        pytest.skip(f"{method} does not declare query_local")
+    q, k, v = qkv(1, 2, 37, 8)
+    other = q.clone()
+    other[:, :, :30] = torch.randn_like(other[:, :, :30])
+    a, b = run_method(method, q, k, v, causal=True), run_method(method, other, k, v, causal=True)
+    torch.testing.assert_close(a[:, :, 30:], b[:, :, 30:], rtol=1e-10, atol=1e-10)

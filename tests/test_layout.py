@@ -222,13 +222,11 @@ def test_no_duplicated_runs(size):
 
 
 # Branches on a method's name that are still waiting for a registry fact (issues 27 and 28: hedgehog
-# is not yet a registered method, performer's feature redraw and the decode list live in the
-# retrofit). Each entry is "file: name"; remove it when the branch goes.
+# is not yet a registered method, and the retrofit draws performer's features itself). Each entry
+# is "file: name"; remove it when the branch goes.
 NAME_BRANCHES_ALLOWED = {
     "subquad/hf/retrofit.py: hedgehog",
     "subquad/hf/retrofit.py: performer",
-    "subquad/hf/retrofit.py: softmax",
-    "subquad/hf/retrofit.py: linear",
 }
 
 

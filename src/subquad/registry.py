@@ -79,6 +79,9 @@ class MethodInfo:
     exact: bool = dataclasses.field(default=False, compare=False)
     #: False for a method without a logit scale (its op refuses an explicit ``scale``)
     logit_scale: bool = dataclasses.field(default=True, compare=False)
+    #: True when a query's causal output depends on that query and the keys and values only, not
+    #: on the other queries: a decoder may then compute new queries alone against the cache
+    query_local: bool = dataclasses.field(default=False, compare=False)
     #: ``length_multiple(options) -> int``: what a padded batch's length should be a multiple of
     #: for these options (the full options dataclass; Sinkhorn's block size); None: any length
     length_multiple: Callable[[Any], int] | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -152,7 +155,7 @@ def register_method(
     core: str | None = None, flops: Callable[..., int] | None = None, peer: str | None = None,
     test_options: TestOptions | None = None, sampling_options: dict[str, Any] | None = None,
     fullgraph_with_padding: bool = True, length_multiple: Callable[[Any], int] | None = None,
-    exact: bool = False, logit_scale: bool = True,
+    exact: bool = False, logit_scale: bool = True, query_local: bool = False,
 ) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
     """Decorator: register ``impl(q, k, v, key_padding_mask, causal, scale, **options)``
     under ``name`` and return the checked public op. ``impl`` gets ``scale=None`` when the
@@ -213,7 +216,7 @@ def register_method(
                     learned_parameters=learned_parameters, options=options, op=op, core=core, flops=flops,
                     peer=peer, test_options=test_options, sampling_options=sampling_options,
                     fullgraph_with_padding=fullgraph_with_padding, length_multiple=length_multiple, exact=exact,
-                    logit_scale=logit_scale)
+                    logit_scale=logit_scale, query_local=query_local)
         return op
 
     return decorator

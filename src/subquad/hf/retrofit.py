@@ -33,14 +33,17 @@ IMPLEMENTATION = "subquad"
 # options consumed by the retrofit itself, never passed to an op
 _RETROFIT_OPTIONS = ("adapter", "seed")
 _HEDGEHOG_DEFAULTS = {"feature_dim": None, "window": 0, "sinks": 0, "chunk_size": 64}
-# methods whose output at one query depends only on that query and the keys: with a KV cache
-# (fewer queries than keys) the queries can be left-padded to the key length, exactly
-_QUERY_LOCAL = ("softmax", "linear", "performer", "hedgehog")
 
 
 def retrofit_methods() -> list[str]:
     """Names :func:`retrofit` accepts: every registered q/k/v method and ``"hedgehog"``."""
     return [m.name for m in subquad.list_methods() if m.kind == "attention"] + ["hedgehog"]
+
+
+def _query_local(method: str) -> bool:
+    """Whether new queries may be computed alone against the cache (the entry's ``query_local``;
+    hedgehog, linear attention with a learned feature map, is)."""
+    return True if method == "hedgehog" else subquad.get_method(method).query_local
 
 
 def _method_causal(method: str) -> bool:
@@ -197,9 +200,10 @@ def _subquad_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     pad = None if attention_mask is None else ~attention_mask[:, -m:]
     if causal and n != m:
         # decoding with a KV cache: the queries are the last n positions; left-pad them to m
-        if r.method not in _QUERY_LOCAL:
+        if not _query_local(r.method):
+            local = [name for name in retrofit_methods() if _query_local(name)]
             raise NotImplementedError(f"subquad retrofit: cached decoding (query length {n} < key length {m}) is "
-                                      f"supported for {list(_QUERY_LOCAL)}, not {r.method!r}")
+                                      f"supported for {local}, not {r.method!r}")
         full = query.new_zeros(query.shape[0], query.shape[1], m, query.shape[3])
         full[:, :, m - n:] = query
         out = r(full, key, value, pad, True, scaling)[:, :, m - n:]

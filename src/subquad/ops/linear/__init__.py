@@ -105,7 +105,7 @@ def flops(B, H, N, M, D, Dv, o):
 @register_method("linear", options=LinearOptions, summary="elu(x)+1 linear attention (Katharopoulos et al. 2020)",
                  causal=True, cross_attention=True, complexity="linear", flops=flops,
                  # small chunks, so causal tests cross several chunk boundaries
-                 test_options={"chunk_size": 4}, logit_scale=False)
+                 test_options={"chunk_size": 4}, logit_scale=False, query_local=True)
 def linear_attention(q, k, v, key_padding_mask, causal, scale, *, chunk_size):
     """Linear attention with the ``elu(x) + 1`` feature map.
 

@@ -178,7 +178,7 @@ def flops(B, H, N, M, D, Dv, o):
                  core="subquad.layers.performer:PerformerCore", flops=flops,
                  peer="subquad.bench.peers:PERFORMER_PYTORCH",
                  # a modest feature count; small chunks so causal tests cross several chunk boundaries
-                 test_options={"num_features": 64, "chunk_size": 4})
+                 test_options={"num_features": 64, "chunk_size": 4}, query_local=True)
 def performer_attention(
     q, k, v, key_padding_mask, causal, scale, *, num_features, orthogonal, features, generator, eps,
     chunk_size,

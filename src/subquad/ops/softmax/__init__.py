@@ -53,7 +53,7 @@ def flops(B, H, N, M, D, Dv, o):
 
 @register_method("softmax", options=SoftmaxOptions, summary="exact softmax attention (SDPA)",
                  causal=True, cross_attention=True, complexity="quadratic",
-                 core="subquad.layers.softmax:SoftmaxCore", flops=flops, exact=True)
+                 core="subquad.layers.softmax:SoftmaxCore", flops=flops, exact=True, query_local=True)
 def softmax_attention(q, k, v, key_padding_mask, causal, scale, *, dropout_p):
     """Exact attention ``softmax(s q k^T) v`` through ``F.scaled_dot_product_attention``.
 
