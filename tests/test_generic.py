@@ -508,3 +508,17 @@ def test_registry_query_local_is_what_the_op_does(method):
     other[:, :, :30] = torch.randn_like(other[:, :, :30])
     a, b = run_method(method, q, k, v, causal=True), run_method(method, other, k, v, causal=True)
     torch.testing.assert_close(a[:, :, 30:], b[:, :, 30:], rtol=1e-10, atol=1e-10)
+
+
+def test_registry_fixed_draw_makes_the_op_deterministic(method):
+    """``fixed_draw``: with what it drew passed as options, two calls with different generators agree."""
+    info = subquad.get_method(method)
+    if info.fixed_draw is None:
+        pytest.skip(f"{method} has no fixed_draw")
+    q, k, v = qkv(1, 2, 37, 8)
+    opts = generic_options(method, 8, q.dtype)
+    drawn = info.fixed_draw(info.make_options(**opts), 8, torch.Generator().manual_seed(3))
+    assert set(drawn) <= set(info.option_names)
+    outs = [subquad.attention(q, k, v, method=method, generator=torch.Generator().manual_seed(s), **opts, **drawn)
+            for s in (0, 1)]
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)

@@ -222,11 +222,9 @@ def test_no_duplicated_runs(size):
 
 
 # Branches on a method's name that are still waiting for a registry fact (issues 27 and 28: hedgehog
-# is not yet a registered method, and the retrofit draws performer's features itself). Each entry
-# is "file: name"; remove it when the branch goes.
+# is not yet a registered method). Each entry is "file: name"; remove it when the branch goes.
 NAME_BRANCHES_ALLOWED = {
     "subquad/hf/retrofit.py: hedgehog",
-    "subquad/hf/retrofit.py: performer",
 }
 
 

@@ -82,6 +82,10 @@ class MethodInfo:
     #: True when a query's causal output depends on that query and the keys and values only, not
     #: on the other queries: a decoder may then compute new queries alone against the cache
     query_local: bool = dataclasses.field(default=False, compare=False)
+    #: ``fixed_draw(options, head_dim, generator) -> {option name: tensor}``: the random tensors a
+    #: stochastic method also takes as options, drawn once (Performer's ``features``), so that a
+    #: layer can keep them as buffers and run deterministically
+    fixed_draw: Callable[..., dict[str, Tensor]] | None = dataclasses.field(default=None, repr=False, compare=False)
     #: ``length_multiple(options) -> int``: what a padded batch's length should be a multiple of
     #: for these options (the full options dataclass; Sinkhorn's block size); None: any length
     length_multiple: Callable[[Any], int] | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -156,6 +160,7 @@ def register_method(
     test_options: TestOptions | None = None, sampling_options: dict[str, Any] | None = None,
     fullgraph_with_padding: bool = True, length_multiple: Callable[[Any], int] | None = None,
     exact: bool = False, logit_scale: bool = True, query_local: bool = False,
+    fixed_draw: Callable[..., dict[str, Tensor]] | None = None,
 ) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
     """Decorator: register ``impl(q, k, v, key_padding_mask, causal, scale, **options)``
     under ``name`` and return the checked public op. ``impl`` gets ``scale=None`` when the
@@ -216,7 +221,7 @@ def register_method(
                     learned_parameters=learned_parameters, options=options, op=op, core=core, flops=flops,
                     peer=peer, test_options=test_options, sampling_options=sampling_options,
                     fullgraph_with_padding=fullgraph_with_padding, length_multiple=length_multiple, exact=exact,
-                    logit_scale=logit_scale, query_local=query_local)
+                    logit_scale=logit_scale, query_local=query_local, fixed_draw=fixed_draw)
         return op
 
     return decorator

@@ -55,8 +55,9 @@ class RetrofitAttention(nn.Module):
 
     - ``hedgehog``: a :class:`HedgehogFeatureMap` (and, with ``window > 0``, a per-head log-weight
       of the linear term).
-    - ``performer``: its ``(num_features, D)`` random projection as a buffer, drawn once from
-      ``seed`` + layer index, so the retrofitted model is deterministic and saved with it.
+    - a method with a ``fixed_draw`` in its entry (``performer``: its ``(num_features, D)`` random
+      projection): what it draws, as buffers, drawn once from ``seed`` + layer index, so the
+      retrofitted model is deterministic and saved with it.
     - any method with ``adapter=True``: per-head ``D x D`` maps of q and k (identity at start), the
       learnable piece :func:`subquad.hf.transfer` trains for methods that own no parameters.
 
@@ -72,6 +73,7 @@ class RetrofitAttention(nn.Module):
         self.seed = int(options.pop("seed", 0))
         self.mode = "approx"
         self.records: list[dict[str, Any]] = []
+        self.drawn: tuple[str, ...] = ()  # buffers the method takes as options (its entry's fixed_draw)
         if method == "hedgehog":
             unknown = sorted(set(options) - set(_HEDGEHOG_DEFAULTS))
             if unknown:
@@ -90,14 +92,12 @@ class RetrofitAttention(nn.Module):
             if "generator" in options or "features" in options:
                 raise ValueError(f"{method}: pass seed=INT to retrofit, not a generator or features; the "
                                  "retrofit draws and stores what it needs")
-            info.make_options(**options)  # validates names and ranges
-            if method == "performer":
-                from ..ops.performer import random_projection
-
-                o = info.make_options(**options)
-                g = torch.Generator().manual_seed(self.seed + 1000 * layer)
-                self.register_buffer("features", random_projection(o.num_features, head_dim, orthogonal=o.orthogonal,
-                                                                   generator=g))
+            o = info.make_options(**options)  # validates names and ranges
+            drawn = {} if info.fixed_draw is None else info.fixed_draw(
+                o, head_dim, torch.Generator().manual_seed(self.seed + 1000 * layer))
+            for name, t in drawn.items():
+                self.register_buffer(name, t)
+            self.drawn = tuple(drawn)
         self.options = options
         if self.adapter:
             eye = torch.eye(head_dim).expand(heads, head_dim, head_dim).clone()
@@ -137,10 +137,9 @@ class RetrofitAttention(nn.Module):
                                      sinks=o["sinks"])
             return out.to(dtype)
         opts = dict(self.options)
-        if self.method == "performer":
-            opts["features"] = self.features
+        opts.update({name: getattr(self, name) for name in self.drawn})
         info = subquad.get_method(self.method)
-        if info.stochastic and self.method != "performer":
+        if info.stochastic and not self.drawn:
             opts["generator"] = torch.Generator(device=q.device).manual_seed(self.seed + 1000 * self.layer)
         if not info.logit_scale:
             if scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-9 * scale:

@@ -172,13 +172,18 @@ def flops(B, H, N, M, D, Dv, o):
     return 2 * B * H * (N + M) * m * (D + Dv + 1)
 
 
+def _fixed_draw(o: PerformerOptions, head_dim: int, generator: torch.Generator) -> dict[str, Tensor]:
+    """The projection ``features`` drawn once (a layer keeps it as a buffer)."""
+    return {"features": random_projection(o.num_features, head_dim, orthogonal=o.orthogonal, generator=generator)}
+
+
 @register_method("performer", options=PerformerOptions,
                  summary="FAVOR+ positive orthogonal random features (Choromanski et al. 2021)",
                  causal=True, cross_attention=True, complexity="linear", stochastic=True,
                  core="subquad.layers.performer:PerformerCore", flops=flops,
                  peer="subquad.bench.peers:PERFORMER_PYTORCH",
                  # a modest feature count; small chunks so causal tests cross several chunk boundaries
-                 test_options={"num_features": 64, "chunk_size": 4}, query_local=True)
+                 test_options={"num_features": 64, "chunk_size": 4}, query_local=True, fixed_draw=_fixed_draw)
 def performer_attention(
     q, k, v, key_padding_mask, causal, scale, *, num_features, orthogonal, features, generator, eps,
     chunk_size,
