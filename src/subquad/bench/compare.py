@@ -123,9 +123,7 @@ def _probe(p: _Point) -> None:
     except Exception:  # noqa: BLE001
         return
     if config.memory and p.q.device.type == "cpu":
-        spec = {"method": p.info.name, "options": p.user_options, "batch": config.batch, "heads": config.heads,
-                "n": PROBE_N, "dim": config.dim, "dtype": config.dtype, "device": config.device,
-                "seed": config.seed, "backward": False, "threads": torch.get_num_threads()}
+        spec = _memory_spec(p, PROBE_N, backward=False)
         entry["forward_bytes"] = measure_in_subprocess(spec, timeout=120 + 10 * entry["forward_s"]).get("forward_bytes")
     p.history[PROBE_N] = entry
 
@@ -152,11 +150,8 @@ def _skip_large_forward(p: _Point) -> bool:
     free = available_memory(p.q.device)
     if predicted is None or free is None or predicted[0] <= MEMORY_SHARE * free:
         return False
-    p.row["status"] = "skipped"
-    p.row["notes"].append(
-        f"skipped: a forward would need about {predicted[0] / 2**30:.1f} GiB ({p.info.complexity} growth from "
-        f"N={predicted[1]}), over {100 * MEMORY_SHARE:.0f} % of the {free / 2**30:.1f} GiB available")
-    return True
+    return _skip(p, predicted[1], f"need about {predicted[0] / 2**30:.1f} GiB",
+                 f"{100 * MEMORY_SHARE:.0f} % of the {free / 2**30:.1f} GiB available")
 
 
 def _skip_slow_forward(p: _Point) -> bool:
@@ -165,10 +160,14 @@ def _skip_slow_forward(p: _Point) -> bool:
     predicted = _predict(p.history, p.info, p.n, "forward_s")
     if predicted is None or predicted[0] <= cap:
         return False
+    return _skip(p, predicted[1], f"take about {predicted[0]:.0f} s", f"--max-call-seconds {cap:g}")
+
+
+def _skip(p: _Point, shorter: int, would: str, limit: str) -> bool:
+    """Mark the point skipped: its forward would ``would`` (scaled from length ``shorter``), over ``limit``."""
     p.row["status"] = "skipped"
-    p.row["notes"].append(
-        f"skipped: a forward would take about {predicted[0]:.0f} s ({p.info.complexity} growth from "
-        f"N={predicted[1]}), over --max-call-seconds {cap:g}")
+    p.row["notes"].append(f"skipped: a forward would {would} ({p.info.complexity} growth from N={shorter}), "
+                          f"over {limit}")
     return True
 
 
@@ -260,14 +259,20 @@ def _time_backward(p: _Point) -> bool:
     return True
 
 
+def _memory_spec(p: _Point, n: int, backward: bool) -> dict[str, Any]:
+    """What :func:`.memory.measure` runs for this point's method at length ``n``."""
+    c = p.config
+    return {"method": p.info.name, "options": p.user_options, "batch": c.batch, "heads": c.heads, "n": n,
+            "dim": c.dim, "dtype": c.dtype, "device": c.device, "seed": c.seed, "backward": backward,
+            "threads": torch.get_num_threads()}
+
+
 def _record_memory(p: _Point, backward: bool) -> None:
     """Peak memory of the forward (and of forward+backward when ``backward``): in a fresh process
     on CPU, in this one on GPU."""
-    config, row = p.config, p.row
+    row = p.row
     p.stage("peak memory")
-    spec = {"method": p.info.name, "options": p.user_options, "batch": config.batch, "heads": config.heads,
-            "n": p.n, "dim": config.dim, "dtype": config.dtype, "device": config.device,
-            "seed": config.seed, "backward": backward, "threads": torch.get_num_threads()}
+    spec = _memory_spec(p, p.n, backward)
     if p.q.device.type == "cpu":
         budget = 120 + 10 * (row["forward_s"] + (row["forward_backward_s"] or 0.0))
         mem = measure_in_subprocess(spec, timeout=budget)
