@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import subquad
+from subquad.ops.linear.state import KernelState
 from conftest import (
     ATTENTION_METHODS,
     CAUSAL_METHODS,
@@ -522,3 +523,27 @@ def test_registry_fixed_draw_makes_the_op_deterministic(method):
     outs = [subquad.attention(q, k, v, method=method, generator=torch.Generator().manual_seed(s), **opts, **drawn)
             for s in (0, 1)]
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+def test_registry_kernel_features_decode_like_the_causal_op(method):
+    """``kernel_features``: a :class:`KernelState` fed the features a few tokens at a time (a
+    prefill, single tokens, a run of several; a padded batch row) gives the causal op's output;
+    its memory does not grow with the tokens it has seen."""
+    info = subquad.get_method(method)
+    if info.kernel_features is None:
+        pytest.skip(f"{method} has no kernel_features")
+    q, k, v = qkv(2, 2, 37, 8)
+    pad = torch.zeros(2, 37, dtype=torch.bool)
+    pad[1, :5] = True
+    opts = generic_options(method, 8, q.dtype)
+    if info.fixed_draw is not None:
+        opts.update(info.fixed_draw(info.make_options(**opts), 8, torch.Generator().manual_seed(3)))
+    o = info.make_options(**opts)
+    want = subquad.attention(q, k, v, method=method, causal=True, key_padding_mask=pad, **opts)
+    state, got, sizes = KernelState(getattr(o, "chunk_size", 64)), [], []
+    for a, b in [(0, 20), (20, 21), (21, 22), (22, 30), (30, 37)]:
+        phi_q, phi_k = info.kernel_features(q[:, :, a:b], k[:, :, a:b], o, None)
+        got.append(state.attend(phi_q, phi_k, v[:, :, a:b], pad[:, a:b]))
+        sizes.append(state.nbytes())
+    torch.testing.assert_close(torch.cat(got, 2), want, rtol=1e-10, atol=1e-10)
+    assert state.seen == 37 and len(set(sizes)) == 1

@@ -89,6 +89,12 @@ class MethodInfo:
     #: ``length_multiple(options) -> int``: what a padded batch's length should be a multiple of
     #: for these options (the full options dataclass; Sinkhorn's block size); None: any length
     length_multiple: Callable[[Any], int] | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: ``kernel_features(q, k, options, scale) -> (phi(q), phi(k))``: for a method whose causal form
+    #: is normalised kernel attention with non-negative features (linear, performer), its feature
+    #: maps, so that a decoder can carry the running sums instead of the keys and values
+    #: (:class:`subquad.ops.linear.state.KernelState`); the options are the full dataclass
+    kernel_features: Callable[..., tuple[Tensor, Tensor]] | None = dataclasses.field(default=None, repr=False,
+                                                                                      compare=False)
     # the options' field names, read once here: torch.compile cannot trace dataclasses.fields()
     option_names: tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
@@ -161,6 +167,7 @@ def register_method(
     fullgraph_with_padding: bool = True, length_multiple: Callable[[Any], int] | None = None,
     exact: bool = False, logit_scale: bool = True, query_local: bool = False,
     fixed_draw: Callable[..., dict[str, Tensor]] | None = None,
+    kernel_features: Callable[..., tuple[Tensor, Tensor]] | None = None,
 ) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
     """Decorator: register ``impl(q, k, v, key_padding_mask, causal, scale, **options)``
     under ``name`` and return the checked public op. ``impl`` gets ``scale=None`` when the
@@ -221,7 +228,8 @@ def register_method(
                     learned_parameters=learned_parameters, options=options, op=op, core=core, flops=flops,
                     peer=peer, test_options=test_options, sampling_options=sampling_options,
                     fullgraph_with_padding=fullgraph_with_padding, length_multiple=length_multiple, exact=exact,
-                    logit_scale=logit_scale, query_local=query_local, fixed_draw=fixed_draw)
+                    logit_scale=logit_scale, query_local=query_local, fixed_draw=fixed_draw,
+                    kernel_features=kernel_features)
         return op
 
     return decorator

@@ -74,6 +74,8 @@ class RetrofitAttention(nn.Module):
         self.mode = "approx"
         self.records: list[dict[str, Any]] = []
         self.drawn: tuple[str, ...] = ()  # buffers the method takes as options (its entry's fixed_draw)
+        self.active_cache: Any = None  # the cache of the call in progress (set by a hook on the attention module)
+        self.hooks: tuple = ()  # the hooks that set it (removed by unretrofit)
         if method == "hedgehog":
             unknown = sorted(set(options) - set(_HEDGEHOG_DEFAULTS))
             if unknown:
@@ -121,14 +123,68 @@ class RetrofitAttention(nn.Module):
             return out
         return self.approx(q, k, v, key_padding_mask, causal, scale)
 
-    def approx(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool,
-               scale: float | None) -> Tensor:
-        """The retrofitted attention (float32 math, output in q's dtype)."""
-        dtype = q.dtype
+    @property
+    def has_state(self) -> bool:
+        """Whether this layer can decode with a recurrent state (:meth:`decode`): a method with
+        ``kernel_features`` in its entry, or hedgehog without a window."""
+        if self.method == "hedgehog":
+            return self.options["window"] == 0
+        return subquad.get_method(self.method).kernel_features is not None
+
+    def _inputs(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v in float32 (float64 stays), through the adapters."""
         q, k, v = (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in (q, k, v))
         if self.adapter:
             q = torch.einsum("bhnd,hde->bhne", q, self.q_adapter.to(q.dtype))
             k = torch.einsum("bhnd,hde->bhne", k, self.k_adapter.to(k.dtype))
+        return q, k, v
+
+    def _op_options(self, q: Tensor) -> dict[str, Any]:
+        """The options the op gets: the retrofit's, the drawn buffers, a seeded generator."""
+        opts = dict(self.options)
+        opts.update({name: getattr(self, name) for name in self.drawn})
+        if subquad.get_method(self.method).stochastic and not self.drawn:
+            opts["generator"] = torch.Generator(device=q.device).manual_seed(self.seed + 1000 * self.layer)
+        return opts
+
+    def _op_scale(self, q: Tensor, scale: float | None) -> float | None:
+        """The model's logit scale, or None for a method without one (which must then be D^-0.5)."""
+        if subquad.get_method(self.method).logit_scale:
+            return scale
+        if scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-9 * scale:
+            raise NotImplementedError(f"{self.method} has no logit scale; this model scales logits by {scale}, "
+                                      f"not head_dim ** -0.5")
+        return None
+
+    def decode(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, scale: float | None,
+               layer: Any) -> Tensor:
+        """Causal attention of ``n`` new tokens through the recurrent state kept in ``layer`` (a
+        :class:`subquad.hf.cache.StateLayer`), which they then join: the same as the parallel
+        causal form over every token so far, in O(1) time and memory per token."""
+        from ..ops.linear.state import KernelState
+
+        if not self.has_state:
+            raise NotImplementedError(f"subquad retrofit: {self.method!r} (options {self.options}) has no recurrent "
+                                      "state; decode it with transformers' DynamicCache (subquad.hf.decoding_cache)")
+        dtype = q.dtype
+        q, k, v = self._inputs(q, k, v)
+        if self.method == "hedgehog":
+            phi_q, phi_k = self.feature_map(q), self.feature_map(k)
+            chunk = self.options["chunk_size"]
+        else:
+            info = subquad.get_method(self.method)
+            o = info.make_options(**self._op_options(q))
+            phi_q, phi_k = info.kernel_features(q, k, o, self._op_scale(q, scale))
+            chunk = getattr(o, "chunk_size", 64)
+        if layer.state is None:
+            layer.state = KernelState(chunk)
+        return layer.state.attend(phi_q, phi_k, v.to(phi_q.dtype), key_padding_mask).to(dtype)
+
+    def approx(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool,
+               scale: float | None) -> Tensor:
+        """The retrofitted attention (float32 math, output in q's dtype)."""
+        dtype = q.dtype
+        q, k, v = self._inputs(q, k, v)
         if self.method == "hedgehog":
             o = self.options
             lw = self.linear_log_weight.exp() if o["window"] > 0 else None
@@ -136,18 +192,8 @@ class RetrofitAttention(nn.Module):
                                      window=o["window"], scale=scale, chunk_size=o["chunk_size"], linear_weight=lw,
                                      sinks=o["sinks"])
             return out.to(dtype)
-        opts = dict(self.options)
-        opts.update({name: getattr(self, name) for name in self.drawn})
-        info = subquad.get_method(self.method)
-        if info.stochastic and not self.drawn:
-            opts["generator"] = torch.Generator(device=q.device).manual_seed(self.seed + 1000 * self.layer)
-        if not info.logit_scale:
-            if scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-9 * scale:
-                raise NotImplementedError(f"{self.method} has no logit scale; this model scales logits by {scale}, "
-                                          f"not head_dim ** -0.5")
-            scale = None
         out = subquad.attention(q, k, v, method=self.method, key_padding_mask=key_padding_mask, causal=causal,
-                                scale=scale, **opts)
+                                scale=self._op_scale(q, scale), **self._op_options(q))
         return out.to(dtype)
 
 
@@ -195,8 +241,14 @@ def _subquad_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
         value = value.repeat_interleave(groups, dim=1)
     causal = bool(is_causal) if is_causal is not None else bool(getattr(module, "is_causal", False))
     n, m = query.shape[2], key.shape[2]
-    causal = causal and m > 1
     pad = None if attention_mask is None else ~attention_mask[:, -m:]
+    layer = _state_layer(module, r)
+    if layer is not None:  # a StateCache: the new tokens through the method's recurrent state
+        if not causal or r.mode != "approx":
+            raise NotImplementedError(f"subquad retrofit: a StateCache decodes causal layers with the approximation "
+                                      f"(this call: causal={causal}, mode={r.mode!r}); use a DynamicCache")
+        return r.decode(query, key, value, pad, scaling, layer).transpose(1, 2).contiguous(), None
+    causal = causal and m > 1
     if causal and n != m:
         # decoding with a KV cache: the queries are the last n positions; left-pad them to m
         if not _query_local(r.method):
@@ -209,6 +261,25 @@ def _subquad_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     else:
         out = r(query, key, value, pad, causal, scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _state_layer(module: nn.Module, r: RetrofitAttention) -> Any:
+    """The :class:`~subquad.hf.cache.StateLayer` of this call when its cache is a StateCache, else None."""
+    from .cache import StateCache
+
+    cache = r.active_cache
+    return cache.layers[module.layer_idx] if isinstance(cache, StateCache) else None
+
+
+def _remember_cache(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of a retrofitted attention module: keep the call's cache for the attention
+    function, which transformers does not hand it (transformers 5 names it ``cache``, 4
+    ``past_key_values``)."""
+    module.subquad_retrofit.active_cache = kwargs.get("cache", kwargs.get("past_key_values"))
+
+
+def _forget_cache(module: nn.Module, args: tuple, output: Any) -> None:
+    module.subquad_retrofit.active_cache = None
 
 
 def _register() -> None:
@@ -295,10 +366,12 @@ def retrofit(model: nn.Module, method: str, **options: Any) -> nn.Module:
             if p is not None:
                 r.to(device=p.device)
             mod.subquad_retrofit = r
+            r.hooks = (mod.register_forward_pre_hook(_remember_cache, with_kwargs=True),
+                       mod.register_forward_hook(_forget_cache))
             added.append(mod)
     except Exception:
         for mod in added:
-            del mod.subquad_retrofit
+            _detach(mod)
         raise
     previous = model.config._attn_implementation
     model.set_attn_implementation(IMPLEMENTATION)
@@ -313,10 +386,17 @@ def unretrofit(model: nn.Module) -> nn.Module:
         raise ValueError("this model is not retrofitted")
     for _, mod in attention_modules(model):
         if hasattr(mod, "subquad_retrofit"):
-            del mod.subquad_retrofit
+            _detach(mod)
     model.set_attn_implementation(info["previous"] or "sdpa")
     model._subquad_retrofit = None
     return model
+
+
+def _detach(mod: nn.Module) -> None:
+    """Remove a module's RetrofitAttention and its cache hooks."""
+    for handle in getattr(mod.subquad_retrofit, "hooks", ()):
+        handle.remove()
+    del mod.subquad_retrofit
 
 
 def retrofit_layers(model: nn.Module) -> list[tuple[str, RetrofitAttention]]:

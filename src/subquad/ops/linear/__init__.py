@@ -102,10 +102,17 @@ def flops(B, H, N, M, D, Dv, o):
     return 2 * B * H * (M * D * Dv + N * D * Dv + N * D)
 
 
+def _kernel_features(q: Tensor, k: Tensor, o: LinearOptions, scale: float | None) -> tuple[Tensor, Tensor]:
+    """``elu(x) + 1`` of q and k in the op's compute dtype (the entry's ``kernel_features``)."""
+    dtype = compute_dtype(q.dtype)
+    return elu_feature_map(q.to(dtype)), elu_feature_map(k.to(dtype))
+
+
 @register_method("linear", options=LinearOptions, summary="elu(x)+1 linear attention (Katharopoulos et al. 2020)",
                  causal=True, cross_attention=True, complexity="linear", flops=flops,
                  # small chunks, so causal tests cross several chunk boundaries
-                 test_options={"chunk_size": 4}, logit_scale=False, query_local=True)
+                 test_options={"chunk_size": 4}, logit_scale=False, query_local=True,
+                 kernel_features=_kernel_features)
 def linear_attention(q, k, v, key_padding_mask, causal, scale, *, chunk_size):
     """Linear attention with the ``elu(x) + 1`` feature map.
 

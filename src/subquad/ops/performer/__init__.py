@@ -177,13 +177,27 @@ def _fixed_draw(o: PerformerOptions, head_dim: int, generator: torch.Generator) 
     return {"features": random_projection(o.num_features, head_dim, orthogonal=o.orthogonal, generator=generator)}
 
 
+def _kernel_features(q: Tensor, k: Tensor, o: PerformerOptions, scale: float | None) -> tuple[Tensor, Tensor]:
+    """The causal op's query and key features (the entry's ``kernel_features``): they need the
+    drawn ``features`` (a decoder's steps must all use one projection)."""
+    if o.features is None:
+        raise ValueError("performer: a decoding state needs fixed random features; pass features= (drawn once, "
+                         "e.g. by the entry's fixed_draw)")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dtype = compute_dtype(q.dtype)
+    w = o.features.to(device=q.device, dtype=dtype)
+    return (performer_features(q.to(dtype), w, kind="query", scale=scale),
+            performer_features(k.to(dtype), w, kind="key", scale=scale, causal=True))
+
+
 @register_method("performer", options=PerformerOptions,
                  summary="FAVOR+ positive orthogonal random features (Choromanski et al. 2021)",
                  causal=True, cross_attention=True, complexity="linear", stochastic=True,
                  core="subquad.layers.performer:PerformerCore", flops=flops,
                  peer="subquad.bench.peers:PERFORMER_PYTORCH",
                  # a modest feature count; small chunks so causal tests cross several chunk boundaries
-                 test_options={"num_features": 64, "chunk_size": 4}, query_local=True, fixed_draw=_fixed_draw)
+                 test_options={"num_features": 64, "chunk_size": 4}, query_local=True, fixed_draw=_fixed_draw,
+                 kernel_features=_kernel_features)
 def performer_attention(
     q, k, v, key_padding_mask, causal, scale, *, num_features, orthogonal, features, generator, eps,
     chunk_size,

@@ -1,0 +1,70 @@
+"""subquad.hf.cache: decoding a retrofitted decoder through the methods' recurrent state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import subquad.hf as H  # noqa: E402
+from test_retrofit import _ids, tiny_gpt2, tiny_llama  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+STATE = [("linear", {"chunk_size": 4}), ("performer", {"num_features": 32}), ("hedgehog", {"chunk_size": 4})]
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2])
+@pytest.mark.parametrize("method,options", STATE)
+def test_prefill_then_steps_equal_the_full_forward(build, method, options):
+    """Logits of a prefill and then one token at a time through a StateCache equal one causal
+    forward over the whole sequence, and the state's memory does not grow as tokens arrive."""
+    model = H.retrofit(build(), method, **options)
+    prompt, more = _ids(2, 9), _ids(2, 6, seed=3)
+    cache = H.decoding_cache(model)
+    assert isinstance(cache, H.StateCache)
+    with torch.no_grad():
+        full = model(input_ids=torch.cat([prompt, more], 1)).logits
+        steps, sizes = [model(input_ids=prompt, cache=cache).logits], []
+        for t in range(more.shape[1]):
+            steps.append(model(input_ids=more[:, t: t + 1], cache=cache).logits)
+            sizes.append(cache.nbytes())
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+    assert cache.get_seq_length() == 15 and len(set(sizes)) == 1 and sizes[0] > 0
+
+
+@pytest.mark.parametrize("method,options", STATE)
+def test_generate_with_state_matches_generate_with_all_keys(method, options):
+    """``generate`` with a StateCache gives the tokens of generate with transformers' DynamicCache
+    (every key kept, each new query recomputed against all of them), left-padded batch included."""
+    model = H.retrofit(tiny_llama(), method, **options)
+    ids = _ids(2, 9)
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    got = model.generate(ids, cache=H.decoding_cache(model), **kw)
+    want = model.generate(ids, cache=transformers.DynamicCache(), **kw)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("method,options", [("sinkhorn", {"block_size": 4}), ("hybrid", {"budget": 8}),
+                                            ("hedgehog", {"window": 4, "chunk_size": 4})])
+def test_methods_without_state_decode_with_all_keys(method, options):
+    """A method without a recurrent state gets a DynamicCache from decoding_cache, and refuses a
+    StateCache with a clear error."""
+    model = H.retrofit(tiny_llama(), method, **options)
+    assert not H.has_state(model)
+    assert isinstance(H.decoding_cache(model), transformers.DynamicCache)
+    with pytest.raises(NotImplementedError, match="no recurrent state"), torch.no_grad():
+        model(input_ids=_ids(1, 8), cache=H.StateCache())
+
+
+def test_state_cache_refused_in_exact_mode_and_hooks_removed_by_unretrofit():
+    model = H.retrofit(tiny_llama(), "linear")
+    H.set_mode(model, "exact")
+    with pytest.raises(NotImplementedError, match="approximation"), torch.no_grad():
+        model(input_ids=_ids(1, 8), cache=H.StateCache())
+    mods = [m for _, m in H.attention_modules(model)]
+    H.unretrofit(model)
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in mods)
