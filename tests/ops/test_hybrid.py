@@ -152,10 +152,10 @@ def test_gradients_match_naive(case):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("query_descent", [False, True])
-def test_gradcheck(causal, query_descent):
+@pytest.mark.parametrize("query_beam", [0, 2])
+def test_gradcheck(causal, query_beam):
     q, k, v = qkv(1, 1, 9, 4, dv=3, seed=5, requires_grad=True)
-    opts = dict(SMALL, candidates=2, beam=1, chunk_size=2, query_descent=query_descent)
+    opts = dict(SMALL, candidates=2, beam=1, chunk_size=2, query_beam=query_beam)
     assert torch.autograd.gradcheck(lambda a, b, c: hybrid_attention(a, b, c, causal=causal, **opts), (q, k, v))
 
 
@@ -199,13 +199,13 @@ def test_fully_padded_row_is_zero():
 
 @pytest.mark.parametrize("grouping", ["tree", "contiguous"])
 @pytest.mark.parametrize("candidates", [256, 2])
-@pytest.mark.parametrize("query_descent", [False, True])
-def test_causal_reads_nothing_later(grouping, candidates, query_descent, monkeypatch):
+@pytest.mark.parametrize("query_beam", [0, 2])
+def test_causal_reads_nothing_later(grouping, candidates, query_beam, monkeypatch):
     monkeypatch.setattr(hybrid_options, "QUERY_BLOCK", 4)
     n = 40
     q, k, v = qkv(1, 2, n, 8, seed=7)
     opts = dict(SMALL, grouping=grouping, candidates=candidates, beam=2 if candidates == 2 else 32, chunk_size=4,
-                query_descent=query_descent)
+                query_beam=query_beam)
     out = hybrid_attention(q, k, v, causal=True, **opts)
     for t in (0, 9, 23, 38):
         q2, k2, v2 = q.clone(), k.clone(), v.clone()
@@ -217,13 +217,13 @@ def test_causal_reads_nothing_later(grouping, candidates, query_descent, monkeyp
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("side", ["right", "left", "middle"])
-@pytest.mark.parametrize("query_descent", [False, True])
-def test_padding_changes_nothing(causal, side, query_descent, monkeypatch):
+@pytest.mark.parametrize("query_beam", [0, 2])
+def test_padding_changes_nothing(causal, side, query_beam, monkeypatch):
     """A padded batch computes, for every item, exactly what the item computes alone (selection
     included): keys, and in self-attention queries, are counted by rank among the real ones;
     padded queries output zeros. Left padding is what batched generation uses."""
     monkeypatch.setattr(hybrid_options, "QUERY_BLOCK", 8)
-    opts = dict(SMALL, candidates=4, beam=2, chunk_size=8, query_descent=query_descent)
+    opts = dict(SMALL, candidates=4, beam=2, chunk_size=8, query_beam=query_beam)
     n, pad = 45, 19
     q, k, v = qkv(1, 2, n, 8, seed=12)
     alone = hybrid_attention(q, k, v, causal=causal, **opts)
@@ -327,8 +327,9 @@ def test_causal_tree_never_mixes_chunks():
     dict(budget=16, block_size=8, scoring="mass"),
     dict(budget=16, block_size=2, candidates=4, beam=2, scoring="mass"),
     dict(budget=16, block_size=4, candidates=8, beam=2, scoring="mean", grouping="contiguous"),
-    dict(budget=16, block_size=2, candidates=4, beam=2, scoring="mass", query_descent=True),
-], ids=["mean-contiguous", "blocks8", "descent", "descent-mean", "query-descent"])
+    dict(budget=16, block_size=2, candidates=4, beam=2, scoring="mass", query_beam=2),
+    dict(budget=16, block_size=2, candidates=8, beam=4, scoring="mean", query_beam=1),
+], ids=["mean-contiguous", "blocks8", "descent", "descent-mean", "query-beam", "query-beam-narrow"])
 def test_flop_formula_matches_counted(opts):
     from subquad.bench.flops import counted_flops, forward_flops
     from subquad.bench.workload import full_options
@@ -350,24 +351,28 @@ def test_window_zero_matches_naive(causal, path):
 
 @pytest.mark.parametrize("case", CASES[6:], ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("masked", [False, True])
-def test_query_descent_matches_naive(case, masked, query_block):
-    """query_descent: each query's own descent adds the leaves its block did not find (the
-    torch path; the kernel leaves such calls to it)."""
+@pytest.mark.parametrize("query_beam", [1, 2])
+def test_query_beam_matches_naive(case, masked, query_block, query_beam):
+    """query_beam: each query's own descent adds the leaves its block did not find."""
     n, m, causal = case[:3]
     q, k, v = qkv(2, 2, n, 8, m=m, dv=5, seed=n + m)
     mask = _mask(m) if masked else None
-    opts = dict(_opts(case), query_descent=True)
+    opts = dict(_opts(case), query_beam=query_beam)
     out = hybrid_attention(q, k, v, key_padding_mask=mask, causal=causal, **opts)
     ref = hybrid_attention_naive(q, k, v, mask, causal, None, **opts)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_query_descent_changes_what_is_selected(causal, monkeypatch):
-    """With blocks of 8 queries and a 2-node beam, queries find leaves their block's descent did not."""
+def test_query_beam_changes_what_is_selected(causal, monkeypatch):
+    """With blocks of 8 queries and a 2-node beam, queries find leaves their block's descent did
+    not; the default is an own descent of 4 when causal and none otherwise."""
     monkeypatch.setattr(hybrid_options, "QUERY_BLOCK", 8)
     q, k, v = qkv(1, 2, 96, 8, seed=5)
     opts = dict(SMALL, candidates=4, beam=2, chunk_size=8)
-    plain = hybrid_attention(q, k, v, causal=causal, **opts)
-    own = hybrid_attention(q, k, v, causal=causal, query_descent=True, **opts)
+    plain = hybrid_attention(q, k, v, causal=causal, query_beam=0, **opts)
+    own = hybrid_attention(q, k, v, causal=causal, query_beam=2, **opts)
     assert (own - plain).abs().amax(-1).gt(1e-6).float().mean() > 0.1
+    default = hybrid_attention(q, k, v, causal=causal, **opts)
+    torch.testing.assert_close(default, hybrid_attention(q, k, v, causal=causal, query_beam=4 if causal else 0, **opts),
+                               rtol=0, atol=0)

@@ -35,13 +35,14 @@ def test_float64_equals_torch_path(causal, n):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_query_descent_equals_torch_path(causal):
-    """query_descent: each query's own descent, candidates and product in the kernel, as the
-    torch path computes them."""
+@pytest.mark.parametrize("query_beam", [4, 32])
+def test_query_beam_equals_torch_path(causal, query_beam):
+    """query_beam: each query's own descent and its leaves in the kernel, as the torch path
+    computes them."""
     q, k, v = qkv(1, 2, 900, 16, dv=8, seed=4)
-    out, ref = _both(q, k, v, causal, query_descent=True)
+    out, ref = _both(q, k, v, causal, query_beam=query_beam)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
-    plain, _ = _both(q, k, v, causal)
+    plain, _ = _both(q, k, v, causal, query_beam=0)
     assert (out - plain).abs().amax() > 1e-6  # its own leaves changed some selections
 
 

@@ -73,8 +73,9 @@ class StateLayer(CacheLayerMixin):
 
 class StateCache(Cache):
     """A ``Cache`` of :class:`StateLayer` (one per layer, made as the layers first run). Pass it to
-    ``model.generate(cache=...)`` (``past_key_values=`` before transformers 5.40) or a forward call of a model retrofitted with a
-    method that has a state (:func:`has_state`); others refuse it."""
+    ``model.generate(cache=...)`` (``past_key_values=`` before transformers 5.40) or a forward
+    call of a model retrofitted with a method that has a state (:func:`has_state`); others refuse
+    it."""
 
     def __init__(self) -> None:
         super().__init__(layer_class_to_replicate=StateLayer)

@@ -89,7 +89,7 @@ __all__ = ["HybridOptions", "HybridPlan", "hybrid_attention", "plan", "flops"]
 )
 def hybrid_attention(q, k, v, key_padding_mask, causal, scale, *, budget, window, block_size, num_selected,
                      num_summaries, grouping, scoring, candidates, beam, chunk_size, sinks, tree_iterations,
-                     query_descent):
+                     query_beam):
     """Hybrid attention (see the module docstring).
 
     Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
@@ -99,7 +99,7 @@ def hybrid_attention(q, k, v, key_padding_mask, causal, scale, *, budget, window
     if scale is None:
         scale = q.shape[-1] ** -0.5
     o = HybridOptions(budget, window, block_size, num_selected, num_summaries, grouping, scoring, candidates, beam,
-                      chunk_size, sinks, tree_iterations, query_descent)
+                      chunk_size, sinks, tree_iterations, query_beam)
     if budget >= k.shape[2]:
         return softmax_attention(q, k, v, key_padding_mask=key_padding_mask, causal=causal, scale=scale)
     dtype = compute_dtype(q.dtype)

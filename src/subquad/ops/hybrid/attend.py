@@ -5,6 +5,8 @@ autograd (gradients through everything but the discrete choice) and ``torch.comp
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import torch
@@ -104,7 +106,7 @@ def hybrid_core(q: Tensor, k: Tensor, v: Tensor, lo: list[int], causal: bool, sc
     sealed = None if sealed_list is None else torch.tensor(sealed_list, device=q.device)
     with torch.no_grad(), record_function("hybrid.descend"):
         leaf, leaf_ok = descend(_descent_queries(qp.detach(), qb, causal), index, sealed, p, scale)
-        own = _own_leaves(qp.detach(), index, sealed, leaf, leaf_ok, p, scale) if p.query_descent else None
+        own = _own_leaves(qp.detach(), index, sealed, leaf, leaf_ok, p, scale) if p.query_beam else None
         if causal:
             group_of = None
         else:  # the coarse group of every key rank: invert the slot order
@@ -145,12 +147,14 @@ def _descent_queries(q: Tensor, qb: int, causal: bool) -> Tensor:
 
 def _own_leaves(q: Tensor, index: KeyIndex, sealed: Tensor | None, leaf: Tensor, leaf_ok: Tensor, p: HybridPlan,
                 scale: float) -> tuple[Tensor, Tensor]:
-    """``query_descent``: the leaves each query ``q`` ``(B, H, nq, D)`` ends on when it descends
-    the tree alone, within its block's sealed region: first slots ``(B, H, nq, L)`` and whether
-    each may be chosen, False for a leaf its block's descent (``leaf``, ``leaf_ok``) found."""
+    """``query_beam``: the leaves each query ``q`` ``(B, H, nq, D)`` ends on when it descends
+    the tree alone (that beam, from its block's start level) within its block's sealed region:
+    first slots ``(B, H, nq, L)`` and whether each may be chosen, False for a leaf its block's
+    descent (``leaf``, ``leaf_ok``) found."""
     B, H, nq, _ = q.shape
     nb, bs = leaf.shape[2], p.block_size
-    own, ok = descend(q.unsqueeze(3), index, None if sealed is None else sealed.repeat_interleave(nq // nb), p, scale)
+    own, ok = descend(q.unsqueeze(3), index, None if sealed is None else sealed.repeat_interleave(nq // nb),
+                      dataclasses.replace(p, beam=p.query_beam), scale)
     found = torch.zeros(B, H, nb, p.slots // bs, dtype=torch.bool, device=q.device)
     found.scatter_(-1, leaf // bs, leaf_ok)
     dup = found.gather(-1, (own // bs).view(B, H, nb, -1)).view(own.shape)
@@ -197,7 +201,7 @@ def _attend(ctx, q, lo, keys, values, leaf, leaf_ok, sealed, blocks: slice, U: i
     queries with its ``U`` window keys and its candidate keys gives every logit it needs (leaf
     scores and exact logits); the selected ones are picked from it, and the exact keys' weights,
     scattered back into a dense row, take one product with the values. ``own``: each query's
-    own candidate leaves (``query_descent``), whose keys extend that row past its ``E`` columns."""
+    own candidate leaves (``query_beam``), whose keys extend that row past its ``E`` columns."""
     p, scale, causal, index, group_of, summaries, scratch = ctx
     B, H, _, D = q.shape
     qb, bs, w = _options.QUERY_BLOCK, p.block_size, p.window

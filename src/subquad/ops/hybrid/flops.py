@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from . import options as _options
 from .attend import runs, window_starts
-from .options import HybridOptions, plan
+from .options import HybridOptions, HybridPlan, plan
 
 __all__ = ["flops"]
 
@@ -20,6 +20,17 @@ def _tree_flops(p, D: int) -> int:
     return total
 
 
+def _descent_flops(p: HybridPlan, beam: int, nq: int, D: int) -> tuple[int, int]:
+    """FLOPs of the descents of ``nq`` queries (per block or alone: the same count) keeping
+    ``beam`` nodes per level, and the number of leaves each ends on."""
+    per_score = 2 if p.scoring == "mass" else 1  # products with the means and the principal directions
+    K, total = 1 << p.start_level, 0
+    for _ in range(p.start_level + 1, p.final_level + 1):
+        total += per_score * 2 * nq * 2 * K * D
+        K = min(beam, 2 * K)
+    return total, K << (p.depth - p.final_level)
+
+
 def flops(B, H, N, M, D, Dv, o) -> int:
     """Matmul FLOPs of one non-causal float32 forward without padding."""
     if o["budget"] >= M:
@@ -29,15 +40,10 @@ def flops(B, H, N, M, D, Dv, o) -> int:
     nb = -(-N // qb)
     nq = nb * qb
     total = _tree_flops(p, D)
-    K = 1 << p.start_level
-    per_score = 2 if p.scoring == "mass" else 1  # products with the means and the principal directions
-    descents = 2 if p.query_descent else 1  # each block's, and each query's own
-    for _ in range(p.start_level + 1, p.final_level + 1):
-        total += descents * per_score * 2 * nq * 2 * K * D
-        K = min(p.beam, 2 * K)
-    tree = K << (p.depth - p.final_level)
+    block, tree = _descent_flops(p, p.beam, nq, D)  # each block's descent
+    own_descent, own = _descent_flops(p, p.query_beam, nq, D) if p.query_beam else (0, 0)  # each query's own
+    total += block + own_descent
     L = tree + p.sinks  # tree leaves and the sink leaves
-    own = tree if p.query_descent else 0  # a query's own leaves: logits and values per query
     total += 2 * nq * p.block_size * own * (D + Dv)
     lo = window_starts(N, M, None, p.window, False)
     lo += lo[-1:] * (nq - N)

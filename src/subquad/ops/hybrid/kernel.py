@@ -1,8 +1,10 @@
 """hybrid's forward on CPU as one compiled kernel (numba): for each (head, block of
 :data:`~.options.QUERY_BLOCK` queries), in one pass over cache-resident rows, the beam descent
 of the key tree, the candidate leaves, one matrix product that gives every logit the block needs
-(window, candidate keys, summaries), and per query the leaf scores, the top leaves, the
-summaries without the exact keys and one softmax. Tasks are spread over numba's threads; the
+(window, candidate keys, summaries), and per query its own descent (``query_beam``: the first
+level for the whole block in one product, then a few nodes per level; its extra leaves' logits
+from the keys in slot order), the leaf scores, the top leaves, the summaries without the exact
+keys and one softmax. Tasks are spread over numba's threads; the
 matrix products call BLAS (scipy's, limited to one thread inside the kernel so that the two
 thread pools do not fight).
 
@@ -203,55 +205,71 @@ def _candidates(node, score, nfin, sealed, lo_last, M, order, slot_valid, cfg, r
 
 
 @njit(fastmath=_FAST, cache=True, inline="always")
-def _leaf_top(x, nleaf, cfg, s):
-    """The ``num_selected`` best candidate leaves of one query from its candidate keys' logits
-    ``x`` (slot-major; -inf where the query may not select the key), into ``s.topi``; returns
-    how many. Score (:func:`.select.leaf_scores`): the log-sum-exp (``mass``; ranked by
-    ``exp(score - best key's logit)``, the same order without a log per leaf; a leaf more than
-    87 below the best key, where that underflows, is not taken) or the mean of the allowed keys'
-    logits."""
-    bs, ns, mass = cfg[1], cfg[2], cfg[12]
-    L = nleaf
-    sc = s.lscore
-    if not mass:
-        for leaf in range(L):
-            acc, n = x.dtype.type(0), 0
-            for t in range(bs):
-                if x[t * L + leaf] > _NEG:
-                    acc += x[t * L + leaf]
-                    n += 1
-            sc[leaf] = acc / n if n else _NEG
-        return _top(sc, L, ns, s.topi, s.topv)
-    ex = s.ex
-    top = x.dtype.type(_NEG)
+def _leaf_mass(x, L, off, top, bs, s):
+    """``s.lscore[off + l] = sum_t exp(x[t * L + l] - top)`` for the ``L`` leaves of ``x``."""
+    ex, sc = s.ex, s.lscore
     for e in range(bs * L):
-        top = max(top, x[e])
-    if not top > _NEG:
-        return 0
-    for t in range(bs):
-        for leaf in range(L):
-            ex[t * L + leaf] = x[t * L + leaf] - top
+        ex[e] = x[e] - top
     _exp(ex, ex, bs * L, s.bits)
     for leaf in range(L):
-        sc[leaf] = ex[leaf]
+        sc[off + leaf] = ex[leaf]
     for t in range(1, bs):
         for leaf in range(L):
-            sc[leaf] += ex[t * L + leaf]
-    for leaf in range(L):  # exp(score - top): the same order as the score; 0 -> never taken
-        sc[leaf] = sc[leaf] if sc[leaf] > 0 else _NEG
-    return _top(sc, L, ns, s.topi, s.topv)
+            sc[off + leaf] += ex[t * L + leaf]
 
 
 @njit(fastmath=_FAST, cache=True, inline="always")
-def _exact(p, lo, lo_first, M, nleaf, rank, cfg, s):
+def _leaf_mean(x, L, off, bs, s):
+    """``s.lscore[off + l]``: the mean of leaf ``l``'s allowed logits in ``x`` (-inf: none)."""
+    for leaf in range(L):
+        acc, n = x.dtype.type(0), 0
+        for t in range(bs):
+            if x[t * L + leaf] > _NEG:
+                acc += x[t * L + leaf]
+                n += 1
+        s.lscore[off + leaf] = acc / n if n else _NEG
+
+
+@njit(fastmath=_FAST, cache=True, inline="always")
+def _leaf_top(x, nleaf, xo, nown, cfg, s):
+    """The ``num_selected`` best candidate leaves of one query, into ``s.topi``, from its
+    candidate keys' logits: the block's ``x`` (``nleaf`` leaves) then its own ``xo`` (``nown``;
+    both slot-major, -inf where the query may not select the key); returns how many. Score
+    (:func:`.select.leaf_scores`): the log-sum-exp (``mass``; ranked by ``exp(score - best key's
+    logit)``, the same order without a log per leaf; a leaf more than 87 below the best key,
+    where that underflows, is not taken) or the mean of the allowed keys' logits."""
+    bs, ns, mass = cfg[1], cfg[2], cfg[12]
+    n = nleaf + nown
+    sc = s.lscore
+    if not mass:
+        _leaf_mean(x, nleaf, 0, bs, s)
+        _leaf_mean(xo, nown, nleaf, bs, s)
+        return _top(sc, n, ns, s.topi, s.topv)
+    top = x.dtype.type(_NEG)
+    for e in range(bs * nleaf):
+        top = max(top, x[e])
+    for e in range(bs * nown):
+        top = max(top, xo[e])
+    if not top > _NEG:
+        return 0
+    _leaf_mass(x, nleaf, 0, top, bs, s)
+    _leaf_mass(xo, nown, nleaf, top, bs, s)
+    for leaf in range(n):  # exp(score - top): the same order as the score; 0 -> never taken
+        sc[leaf] = sc[leaf] if sc[leaf] > 0 else _NEG
+    return _top(sc, n, ns, s.topi, s.topv)
+
+
+@njit(fastmath=_FAST, cache=True, inline="always")
+def _exact(p, lo, lo_first, M, nleaf, nown, rank, v, cfg, s):
     """One query's exact keys: its window (logits at ``p[r - lo_first]``) and the allowed keys of
-    its best candidate leaves (logits at ``p[U + e]``, -inf where not allowed), into ``s.xl``
-    (logits), ``s.xr`` (ranks) and ``s.xv`` (rows of ``s.vb``). Returns (number of exact keys,
-    number of window keys)."""
+    its best candidate leaves (the block's: logits at ``p[U + e]``, -inf where not allowed; its
+    own: ``s.xo``, ranks ``s.ro``, their values copied from ``v`` into ``s.vb`` past the block's
+    rows), into ``s.xl`` (logits), ``s.xr`` (ranks) and ``s.xv`` (rows of ``s.vb``). Returns
+    (number of exact keys, number of window keys)."""
     w, bs = cfg[0], cfg[1]
-    U = s.dims[0]
+    U, C = s.dims[0], s.dims[1]
     x = p[U:]
-    m = _leaf_top(x, nleaf, cfg, s)
+    m = _leaf_top(x, nleaf, s.xo, nown, cfg, s)
     nx = 0
     for r in range(max(lo, 0), min(lo + w, M)):
         s.xl[nx] = p[r - lo_first]
@@ -259,14 +277,22 @@ def _exact(p, lo, lo_first, M, nleaf, rank, cfg, s):
         s.xv[nx] = r - lo_first
         nx += 1
     nwin = nx
+    row = U + C  # the next free row of s.vb for an own key's value
     for a in range(m):
+        leaf = s.topi[a]
         for t in range(bs):
-            e = t * nleaf + s.topi[a]
-            if x[e] > _NEG:
-                s.xl[nx] = x[e]
-                s.xr[nx] = rank[e]
-                s.xv[nx] = U + e
-                nx += 1
+            if leaf < nleaf:
+                e = t * nleaf + leaf
+                if x[e] > _NEG:
+                    s.xl[nx], s.xr[nx], s.xv[nx] = x[e], rank[e], U + e
+                    nx += 1
+            else:
+                e = t * nown + leaf - nleaf
+                if s.xo[e] > _NEG:
+                    s.xl[nx], s.xr[nx], s.xv[nx] = s.xo[e], s.ro[e], row
+                    s.vb[row] = v[s.ro[e]]
+                    row += 1
+                    nx += 1
     return nx, nwin
 
 
@@ -408,9 +434,105 @@ def _gather_rows(k, v, gk, lo_first, U, C, s):
 
 
 @njit(fastmath=_FAST, cache=True)
+def _dot(q, rows, r):
+    """``q . rows[r]`` (a loop LLVM vectorises, where written inline in a larger loop it did not)."""
+    acc = q.dtype.type(0)
+    for d in range(q.shape[0]):
+        acc += q[d] * rows[r, d]
+    return acc
+
+
+@njit(fastmath=_FAST, cache=True)
+def _first_level(qb, sealed, cfg, count, mean, direction, ends, s):
+    """For the queries' own descents: the children of every start node (the same for each query
+    of the block) into ``s.fchild`` / ``s.fbase`` / ``s.fstraddle`` / ``s.fends``, and every
+    query's products with their vectors in one matrix product, ``s.fproj`` ``(QB, rows)``."""
+    start, mass = cfg[5], cfg[12]
+    n = 1 << start
+    for j in range(n):
+        s.node[j] = n + j
+        s.score[j] = 0.0
+    K = 2 * n
+    _children(s.node, s.score, n, start + 1, sealed, cfg, count, s.fchild, s.fbase, s.fstraddle)
+    for c in range(K):
+        for d in range(mean.shape[1]):
+            s.vbuf[c, d] = mean[s.fchild[c], d]
+            s.vbuf[K + c, d] = direction[s.fchild[c], d]
+        s.fends[c, 0], s.fends[c, 1] = ends[s.fchild[c], 0], ends[s.fchild[c], 1]
+    rows = 2 * K if mass else K
+    np.dot(qb, s.vbuf[:rows].T, s.fproj[: qb.shape[0] * rows].reshape(qb.shape[0], rows))
+
+
+@njit(fastmath=_FAST, cache=True)
+def _own_descend(j, qv, sealed, cfg, count, mean, direction, ends, s):
+    """Query ``j``'s own descent (beam ``cfg[15]``, from the start level's children scored by
+    :func:`_first_level`): the final nodes in ``s.node`` / ``s.score``; returns how many. One
+    query's scores rank as its relative ones (:func:`.select.descend`), so none is normalised."""
+    start, final, keep, mass = cfg[5], cfg[6], cfg[15], cfg[12]
+    K = 2 << start
+    rows = 2 * K if mass else K
+    pr = s.fproj[j * rows: (j + 1) * rows]
+    for c in range(K):
+        x = s.fbase[c] + pr[c]
+        if mass:
+            x += max(pr[K + c] * s.fends[c, 0], pr[K + c] * s.fends[c, 1])
+        s.cs[c] = np.inf if s.fstraddle[c] else x
+    n = _top(s.cs, K, keep, s.topi, s.topv)
+    for a in range(n):
+        s.node[a], s.score[a] = s.fchild[s.topi[a]], s.topv[a]
+    for level in range(start + 2, final + 1):
+        K = 2 * n
+        _children(s.node, s.score, n, level, sealed, cfg, count, s.child, s.base, s.straddle)
+        for c in range(K):
+            nd, x = s.child[c], s.base[c]
+            if x > _NEG:
+                x += _dot(qv, mean, nd)
+                if mass:
+                    du = _dot(qv, direction, nd)
+                    x += max(du * ends[nd, 0], du * ends[nd, 1])
+            s.cs[c] = np.inf if s.straddle[c] else x
+        n = _top(s.cs, K, keep, s.topi, s.topv)
+        for a in range(n):
+            s.node[a], s.score[a] = s.child[s.topi[a]], s.topv[a]
+    return n
+
+
+@njit(fastmath=_FAST, cache=True)
+def _own_leaves(qv, lo_i, nown, nblock, sealed, M, keys, order, slot_valid, cfg, s):
+    """The leaves of query ``qv``'s own final nodes (``s.node[:nown]``) that its block's
+    (``s.mnode[:nblock]``) do not hold: their keys' logits ``s.xo`` (slot-major, -inf where not
+    allowed; from ``keys`` in slot order, where a node's keys are one run of rows) and ranks
+    ``s.ro``. Returns the number of leaves."""
+    w, bs, sinks, final, depth, chunk, causal = cfg[0], cfg[1], cfg[4], cfg[6], cfg[7], cfg[9], cfg[11]
+    per_node = 1 << (depth - final)
+    kept = 0
+    for a in range(nown):
+        new = s.score[a] > _NEG
+        for b in range(nblock):
+            new = new and not (s.mnode[b] == s.node[a] and s.mscore[b] > _NEG)
+        if new:
+            s.mnode[nblock + kept] = s.node[a]
+            kept += 1
+    L = kept * per_node
+    for i in range(kept):
+        first = (s.mnode[nblock + i] - (1 << final)) * per_node * bs
+        for leaf in range(per_node):
+            slot0 = first + leaf * bs
+            leaf_ok = not causal or (slot0 // chunk + 1) * chunk <= sealed
+            for t in range(bs):
+                r = order[slot0 + t]
+                e = t * L + i * per_node + leaf
+                s.ro[e] = min(r, M - 1)
+                ok = leaf_ok and slot_valid[slot0 + t] and r >= sinks * bs and (causal or not lo_i <= r < lo_i + w)
+                s.xo[e] = _dot(qv, keys, slot0 + t) if ok else _NEG
+    return L
+
+
+@njit(fastmath=_FAST, cache=True)
 def _task(h, blk, qs, k, v, lo, cfg, hd, s, out):
     """Outputs of block ``blk`` of head ``h``'s queries: descent, candidates, one product for
-    every logit, then each query's exact keys, summaries and softmax."""
+    every logit, then each query's own descent (``query_beam``), exact keys, summaries and
+    softmax."""
     w, bs, G, chunk, causal = cfg[0], cfg[1], cfg[3], cfg[9], cfg[11]
     QB = s.qb.shape[0]
     N, M = qs.shape[1], k.shape[1]
@@ -421,13 +543,19 @@ def _task(h, blk, qs, k, v, lo, cfg, hd, s, out):
     s.qb[:nq] = qs[h, i0: i0 + nq]
     s.qb[nq:] = 0.0
     sealed = 0
+    tree = (hd.count[h], hd.mean[h], hd.direction[h], hd.ends[h])
     if causal:
         sealed = max(max(lo_first, 0) // chunk - 1, 0) * chunk
+    if cfg[15]:
+        _first_level(s.qb, sealed, cfg, *tree, s)
+    if causal:
         for j in range(QB):  # the QB queries ending at the block's first one
             s.qd[j] = qs[h, max(i0 - QB + 1 + j, 0)]
-        nfin = _descend(s.qd, QB, sealed, cfg, hd.count[h], hd.mean[h], hd.direction[h], hd.ends[h], s)
+        nfin = _descend(s.qd, QB, sealed, cfg, *tree, s)
     else:
-        nfin = _descend(s.qb, nq, sealed, cfg, hd.count[h], hd.mean[h], hd.direction[h], hd.ends[h], s)
+        nfin = _descend(s.qb, nq, sealed, cfg, *tree, s)
+    s.mnode[:nfin] = s.node[:nfin]
+    s.mscore[:nfin] = s.score[:nfin]
     nleaf = _candidates(s.node, s.score, nfin, sealed, lo_last, M, hd.order[h], hd.slot_valid[h], cfg, s.rank, s.ok)
     C = nleaf * bs
     E = U + C + G
@@ -436,90 +564,55 @@ def _task(h, blk, qs, k, v, lo, cfg, hd, s, out):
     np.dot(s.qb, s.kb[:E].T, logits)
     nd = _mask_static(logits, U, C, lo_first, lo_last, cfg, s)
     for j in range(nq):
-        _query(logits[j], s.qb[j], lo[i0 + j], lo_first, M, nleaf, nd, cfg, h, hd, s, out[h, i0 + j])
+        nown = 0
+        if cfg[15]:
+            n = _own_descend(j, s.qb[j], sealed, cfg, *tree, s)
+            nown = _own_leaves(s.qb[j], lo[i0 + j], n, nfin, sealed, M, hd.keys[h], hd.order[h], hd.slot_valid[h],
+                                  cfg, s)
+        _query(logits[j], s.qb[j], lo[i0 + j], lo_first, M, nleaf, nown, nd, cfg, h, hd, v[h], s, out[h, i0 + j])
 
 
 @njit(fastmath=_FAST, cache=True)
-def _query(row, qv, lo_i, lo_first, M, nleaf, nd, cfg, h, hd, s, out):
+def _query(row, qv, lo_i, lo_first, M, nleaf, nown, nd, cfg, h, hd, v, s, out):
     """One query's output from its row of logits ``row`` (window from ``lo_first``, candidates,
-    summaries' key sums): the dirty keys it may not select masked (in its window, or causal
-    after it), its exact keys, its summary columns, the softmax."""
+    summaries' key sums) and its own leaves (``nown``, in ``s.xo``): the dirty keys it may not
+    select masked (in its window, or causal after it), its exact keys, its summary columns, the
+    softmax."""
     w, causal, U = cfg[0], cfg[11], s.dims[0]
     for a in range(nd):
         e = s.dirty[a]
         r = s.rank[e]
         if r >= lo_i and (causal or r < lo_i + w):
             row[U + e] = _NEG
-    nx, nwin = _exact(row, lo_i, lo_first, M, nleaf, s.rank, cfg, s)
+    nx, nwin = _exact(row, lo_i, lo_first, M, nleaf, nown, s.rank, v, cfg, s)
     ncol = _columns(row, qv, lo_i, M, nx, nwin, cfg, h, hd, s)
     _softmax_row(s.vb, nx, ncol, lo_i, cfg, h, hd, s, out)
 
 
-@njit(fastmath=_FAST, cache=True)
-def _task_own(h, blk, qs, k, v, lo, cfg, hd, s, out):
-    """:func:`_task` with ``query_descent``: the block's descent once, then for each query its
-    own; the query's candidates are the block's final nodes and its own (those the block did not
-    keep), gathered and multiplied for that query alone."""
-    w, bs, G, chunk, causal = cfg[0], cfg[1], cfg[3], cfg[9], cfg[11]
-    QB = s.qb.shape[0]
-    N, M = qs.shape[1], k.shape[1]
-    i0 = blk * QB
-    nq = min(QB, N - i0)
-    lo_last = lo[i0 + nq - 1]
-    s.qb[:nq] = qs[h, i0: i0 + nq]
-    s.qb[nq:] = 0.0
-    sealed = 0
-    if causal:
-        sealed = max(max(lo[i0], 0) // chunk - 1, 0) * chunk
-        for j in range(QB):
-            s.qd[j] = qs[h, max(i0 - QB + 1 + j, 0)]
-        nblock = _descend(s.qd, QB, sealed, cfg, hd.count[h], hd.mean[h], hd.direction[h], hd.ends[h], s)
-    else:
-        nblock = _descend(s.qb, nq, sealed, cfg, hd.count[h], hd.mean[h], hd.direction[h], hd.ends[h], s)
-    s.mnode[:nblock] = s.node[:nblock]
-    s.mscore[:nblock] = s.score[:nblock]
-    for j in range(nq):
-        lo_i = lo[i0 + j]
-        nown = _descend(s.qb[j: j + 1], 1, sealed, cfg, hd.count[h], hd.mean[h], hd.direction[h], hd.ends[h], s)
-        m = nblock
-        for a in range(nown):
-            kept = False
-            for b in range(nblock):
-                kept |= s.mnode[b] == s.node[a] and s.mscore[b] > _NEG
-            if not kept:
-                s.mnode[m], s.mscore[m] = s.node[a], s.score[a]
-                m += 1
-        nleaf = _candidates(s.mnode, s.mscore, m, sealed, lo_last, M, hd.order[h], hd.slot_valid[h], cfg, s.rank,
-                            s.ok)
-        C = nleaf * bs
-        E = w + C + G
-        _gather_rows(k[h], v[h], hd.gk[h], lo_i, w, C, s)
-        logits = s.pflat[:E].reshape(1, E)
-        np.dot(s.qb[j: j + 1], s.kb[:E].T, logits)
-        nd = _mask_static(logits, w, C, lo_i, lo_i, cfg, s)
-        _query(logits[0], s.qb[j], lo_i, lo_i, M, nleaf, nd, cfg, h, hd, s, out[h, i0 + j])
-
-
 Scratch = namedtuple("Scratch", "qb qd node score child base straddle vbuf cs tmp topi topv pflat rank ok kb dims "
-                                "lscore xl xr xg cq cn lc dirty e0 e1 ex bits vb xv mnode mscore")
-Heads = namedtuple("Heads", "order slot_valid count mean direction ends gcnt gk gv group_of prek prev")
+                                "lscore xl xr xg cq cn lc dirty e0 e1 ex bits vb xv mnode mscore "
+                                "fproj fchild fbase fstraddle fends xo ro")
+Heads = namedtuple("Heads", "order slot_valid count mean direction ends gcnt gk gv group_of prek prev keys")
 
 
 @njit(cache=True)
 def _scratch(D, Dv, sizes, like):
     """One worker's scratch, sized by ``sizes`` = (QB, nodes, children, exact keys, leaves,
-    candidate keys, gathered rows, product entries, columns)."""
-    QB, nodes, K, X, L, C, E, P, cols = sizes
+    candidate keys, gathered rows, product entries, columns, own candidate keys)."""
+    QB, nodes, K, X, L, C, E, P, cols, own = sizes
     dt = like.dtype
+    n_ex = max(C, K, X + cols, own)
     return Scratch(np.empty((QB, D), dt), np.empty((QB, D), dt), np.empty(nodes, np.int64), np.empty(nodes, dt),
                    np.empty(K, np.int64), np.empty(K, dt), np.empty(K, np.bool_), np.empty((2 * K, D), dt),
                    np.empty(K, dt), np.empty(K, dt), np.empty(max(nodes, L), np.int64), np.empty(max(nodes, L), dt),
                    np.empty(P, dt), np.empty(C, np.int64), np.empty(C, np.bool_), np.empty((E, D), dt),
-                   np.zeros(2, np.int64), np.empty(L, dt), np.empty(X, dt), np.empty(X, np.int64),
+                   np.zeros(2, np.int64), np.empty(L + own, dt), np.empty(X, dt), np.empty(X, np.int64),
                    np.empty(X, np.int64), np.empty(cols, dt), np.empty(cols, dt), np.empty(cols, dt),
-                   np.empty(C, np.int64), np.empty(K, dt), np.empty(K, dt), np.empty(max(C, K, X + cols), dt),
-                   np.empty(max(C, K, X + cols), np.int32), np.empty((E, Dv), dt), np.empty(X, np.int64),
-                   np.empty(2 * nodes, np.int64), np.empty(2 * nodes, dt))
+                   np.empty(C, np.int64), np.empty(K, dt), np.empty(K, dt), np.empty(n_ex, dt),
+                   np.empty(n_ex, np.int32), np.empty((E + X, Dv), dt), np.empty(X, np.int64),
+                   np.empty(2 * nodes, np.int64), np.empty(2 * nodes, dt),
+                   np.empty(QB * 2 * K, dt), np.empty(K, np.int64), np.empty(K, dt), np.empty(K, np.bool_),
+                   np.empty((K, 2), dt), np.empty(max(own, 1), dt), np.empty(max(own, 1), np.int64))
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True)
@@ -531,10 +624,7 @@ def _forward(qs, k, v, lo, cfg, sizes, hd, out):
     nb = (N + QB - 1) // QB
     for t in prange(BH * nb):
         s = _scratch(qs.shape[2], v.shape[2], sizes, qs)
-        if cfg[15]:
-            _task_own(t // nb, t % nb, qs, k, v, lo, cfg, hd, s, out)
-        else:
-            _task(t // nb, t % nb, qs, k, v, lo, cfg, hd, s, out)
+        _task(t // nb, t % nb, qs, k, v, lo, cfg, hd, s, out)
 
 
 @njit(parallel=True, cache=True)
@@ -589,8 +679,8 @@ def _summary_arrays(k: torch.Tensor, v: torch.Tensor, index: KeyIndex, keys: tor
 def _sizes(lo: list[int], N: int, M: int, p: HybridPlan, D: int) -> np.ndarray:
     """Scratch sizes for :func:`_scratch` from the window starts and the plan."""
     QB, bs = _options.QUERY_BLOCK, p.block_size
-    keep = p.beam + p.causal
-    nodes = max(keep, 1 << p.start_level) if p.final_level > p.start_level else 1 << p.start_level
+    keep, keep_own = p.beam + p.causal, (p.query_beam + p.causal if p.query_beam else 0)
+    nodes = max(keep, keep_own, 1 << p.start_level) if p.final_level > p.start_level else 1 << p.start_level
     per_node = 1 << (p.depth - p.final_level)
     U = recent = 0
     for i0 in range(0, N, QB):
@@ -599,11 +689,11 @@ def _sizes(lo: list[int], N: int, M: int, p: HybridPlan, D: int) -> np.ndarray:
         if p.causal:
             sealed = sealed_ends(first, p)
             recent = max(recent, -(-max(last - sealed, 0) // bs))
-    L = p.sinks + recent + (2 if p.query_descent else 1) * nodes * per_node  # query_descent: the block's and its own
+    L = p.sinks + recent + nodes * per_node
     K = 2 * nodes
     E = U + L * bs + p.num_summaries
     return np.array([QB, nodes, K, p.window + p.num_selected * bs, L, L * bs, E, QB * max(E, 2 * K),
-                     p.num_summaries + 1], dtype=np.int64)
+                     p.num_summaries + 1, keep_own * per_node * bs], dtype=np.int64)
 
 
 @functools.cache
@@ -631,11 +721,11 @@ def hybrid_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: list[in
     index, keys = build_index_compiled(k, p)
     heads = Heads(*(t.reshape(BH, *t.shape[2:]).contiguous().numpy() for t in
                     (index.order, index.slot_valid, index.count, index.mean, index.direction, index.ends)),
-                  *_summary_arrays(kf, vf, index, keys, p))
+                  *_summary_arrays(kf, vf, index, keys, p), keys.reshape(BH, -1, D).numpy())
     gs = causal_group_size(M, p.num_summaries, p.block_size) if p.causal else 0
     cfg = np.array([p.window, p.block_size, p.num_selected, p.num_summaries, p.sinks, p.start_level, p.final_level,
                     p.depth, p.chunk_level, p.chunk_size, p.beam + p.causal, p.causal, p.scoring == "mass", gs,
-                    p.slots, p.query_descent], dtype=np.int64)
+                    p.slots, p.query_beam + p.causal if p.query_beam else 0], dtype=np.int64)
     qs = reused("qs", (BH, N, D), kf.numpy().dtype)
     torch.mul(q.reshape(BH, N, D), scale, out=torch.from_numpy(qs))
     out = np.empty((BH, N, Dv), dtype=qs.dtype)

@@ -10,6 +10,8 @@ real keys throughout; in self-attention with padding, queries too (padded ones o
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import torch
@@ -207,7 +209,7 @@ def _coarse_groups(rest: list[int], leaves, M: int, causal: bool, p: HybridPlan)
 def _selected(q, logits, leaves, stats, i, block, lo, region, causal, p: HybridPlan, scale) -> set[int]:
     """Keys of the leaves chosen for query ``i``: its block's candidates (the sink leaves; causal,
     the recent leaves by position; the tree leaves from the descent; a sink key only in its
-    sink leaf) and, with ``query_descent``, the tree leaves of its own descent, each scored over
+    sink leaf) and, with ``query_beam``, the tree leaves of its own descent (that beam), each scored over
     the keys ``i`` may select (``region``)."""
     qb = _options.QUERY_BLOCK
     first = block[0]
@@ -224,8 +226,9 @@ def _selected(q, logits, leaves, stats, i, block, lo, region, causal, p: HybridP
         qs = [q[t] for t in block] + [q[block[-1]]] * (qb - len(block))  # the last query repeated
     sink_keys = p.sinks * p.block_size
     tree = _candidates(qs, stats, leaves, sealed, p, scale)
-    if p.query_descent:  # the leaves of query i's own descent, those its block did not find
-        tree += [leaf for leaf in _candidates([q[i]], stats, leaves, sealed, p, scale) if leaf not in tree]
+    if p.query_beam:  # the leaves of query i's own descent, those its block did not find
+        own = _candidates([q[i]], stats, leaves, sealed, dataclasses.replace(p, beam=p.query_beam), scale)
+        tree += [leaf for leaf in own if leaf not in tree]
     cands = [[j for j in leaf if j >= sink_keys] for leaf in cands + tree]
     cands = [list(range(r, r + p.block_size)) for r in range(0, sink_keys, p.block_size)] + cands
     allowed = set(region)
