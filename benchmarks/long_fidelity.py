@@ -1,10 +1,11 @@
 """Fidelity on long causal attention: every causal method against exact attention on SmolLM2-135M-Instruct's Q, K, V.
 
-    python benchmarks/long_fidelity.py --out benchmarks/results        # N = 2048 4096 8192, 10 layers, every row
+    python benchmarks/long_fidelity.py --n 2048 4096 8192 --svd-heads 3 --rows hybrid:query_beam=0 \
+        hybrid:query_beam=32 --out benchmarks/results                     # the committed table
     python benchmarks/long_fidelity.py --n 2048 --methods hybrid       # hybrid rows, the limits and sharpness only
     python benchmarks/long_fidelity.py --n 8192 --layers 0 15 --no-limits --methods linear performer
     python benchmarks/long_fidelity.py --n 8192 --no-limits --methods hybrid --rows hybrid:beam=64 \
-        hybrid:candidates=256 --out benchmarks/results/long_selection   # selection settings side by side
+        hybrid:candidates=256 --out /tmp/selection                      # selection settings side by side
 
 Inputs: the causal attention inputs of SmolLM2-135M-Instruct (``subquad.bench.smollm``: 30 layers, 9
 query heads, 3 key/value heads repeated over their groups, head dim 64, q and k after the rotary

@@ -34,8 +34,8 @@ from subquad.bench.common import machine_info, md_table, source_state
 from subquad.cli_base import parse_value
 
 NS = (2048, 4096, 8192)
-ROWS = (("hybrid", {}), ("hybrid", {"budget": 128}), ("hybrid", {"query_descent": True}), ("linear", {}),
-        ("performer", {}), ("sinkhorn", {"block_size": 128}))
+ROWS = (("hybrid", {}), ("hybrid", {"budget": 128}), ("hybrid", {"query_beam": 0}), ("hybrid", {"query_beam": 32}),
+        ("linear", {}), ("performer", {}), ("sinkhorn", {"block_size": 128}))
 
 
 def _losses(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
