@@ -35,6 +35,27 @@ def test_prefill_then_steps_equal_the_full_forward(build, method, options):
 
 
 @pytest.mark.parametrize("method,options", STATE)
+def test_left_padded_batch_prefill_then_steps_equal_the_full_forward(method, options):
+    """A batch of two lengths (the shorter left-padded): prefill and single steps through the state
+    give the full forward's logits at every real position; padding never enters the state."""
+    model = H.retrofit(tiny_llama(), method, **options)
+    ids = _ids(2, 14)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    cache = H.decoding_cache(model)
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        steps = [model(input_ids=ids[:, :9], attention_mask=mask[:, :9], position_ids=pos[:, :9], cache=cache).logits]
+        for t in range(9, 14):
+            steps.append(model(input_ids=ids[:, t: t + 1], attention_mask=mask[:, : t + 1],
+                               position_ids=pos[:, t: t + 1], cache=cache).logits)
+    got = torch.cat(steps, 1)
+    torch.testing.assert_close(got[0], full[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1, 4:], full[1, 4:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method,options", STATE)
 def test_generate_with_state_matches_generate_with_all_keys(method, options):
     """``generate`` with a StateCache gives the tokens of generate with transformers' DynamicCache
     (every key kept, each new query recomputed against all of them), left-padded batch included."""
