@@ -435,7 +435,7 @@ def _gather_rows(k, v, gk, lo_first, U, C, s):
 
 @njit(fastmath=_FAST, cache=True)
 def _dot(q, rows, r):
-    """``q . rows[r]`` (a loop LLVM vectorises, where written inline in a larger loop it did not)."""
+    """``q . rows[r]``: one row's dot product."""
     acc = q.dtype.type(0)
     for d in range(q.shape[0]):
         acc += q[d] * rows[r, d]
