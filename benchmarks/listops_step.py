@@ -26,7 +26,8 @@ import torch
 from subquad.models.encoder import cross_entropy
 from subquad.tasks import listops
 from subquad.train.sampler import BucketBatchSampler, ShardedBatchSampler
-from subquad.train.trainer import TrainConfig, _build_model, pad_multiple
+from subquad.train import TrainConfig, build_model
+from subquad.train.config import pad_multiple
 
 # The options of the runs in runs/listops/ (docs/results.md).
 RUN_OPTIONS = {
@@ -80,7 +81,7 @@ def main() -> None:
         for batching, amp in settings:
             cfg = _config(method, batching, amp)
             torch.manual_seed(0)
-            model, _ = _build_model(cfg, torch.device("cpu"))
+            model, _ = build_model(cfg, torch.device("cpu"))
             model.train()
             optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
             batches = _batches(data, cfg, args.batches)

@@ -197,3 +197,34 @@ def test_generic_sweep_runs_it(tmp_path):
         passed = re.findall(rf"^{re.escape(file)}::\S*{NAME}\S* PASSED", proc.stdout, flags=re.M)
         assert len(passed) >= at_least, f"{file}: {len(passed)} tests passed for {NAME}\n{tail}"
     assert not re.search(r"\d+ (failed|errors?)\b", proc.stdout), tail
+
+
+TASK_FILE = "src/subquad/tasks/first_token.py"
+
+
+def test_doc_task_trains(tmp_path):
+    """The doc's example task registers, and the trainer, model files and ``evaluate`` take it."""
+    from subquad.tasks import base, get_task
+    from subquad.train import TrainConfig, load_model, train
+    from subquad.train.trainer import evaluate_model
+
+    name = "doc_first_token"
+    code = doc_blocks()[TASK_FILE].replace('"first_token"', repr(name))
+    module = types.ModuleType(f"subquad.tasks.{name}")
+    module.__package__ = "subquad.tasks"
+    sys.modules[module.__name__] = module
+    try:
+        exec(compile(code, f"CONTRIBUTING.md ({TASK_FILE})", "exec"), module.__dict__)
+        assert get_task(name).__name__ == "FirstToken"
+        cfg = TrainConfig(task=name, task_options={"seq_len": 24, "size": 64}, method="linear", layers=1, dim=16,
+                          heads=2, ffn_dim=32, head_hidden=0, batch_size=8, steps=4, warmup_steps=1, pad_to=32,
+                          eval_every=2, out_dir=str(tmp_path / "run"), progress=False, tensorboard=False, threads=1)
+        results = train(cfg)
+        assert results["task"] == name and results["test_samples"] == results["test_labels"] == 64
+        model, saved_cfg, _ = load_model(tmp_path / "run" / "model.pt")
+        data = get_task(name)(**saved_cfg.task_options).load("", None)
+        _, accuracy, n = evaluate_model(model, saved_cfg, data.test)
+        assert n == 64 and accuracy == pytest.approx(results["test_accuracy"])
+    finally:
+        base._TASKS.pop(name, None)
+        sys.modules.pop(module.__name__, None)

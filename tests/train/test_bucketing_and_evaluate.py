@@ -15,7 +15,8 @@ from subquad.tasks import listops
 from subquad.train import checkpoint as ckpt
 from subquad.train.cli import main as cli_main
 from subquad.train.sampler import BucketBatchSampler
-from subquad.train.trainer import TrainConfig, eval_batches, pad_multiple, train
+from subquad.train.config import TrainConfig, pad_multiple
+from subquad.train.trainer import eval_batches, train
 
 TINY = dict(layers=1, dim=16, heads=2, ffn_dim=32, head_hidden=16, batch_size=8, lr=1e-3, warmup_steps=2,
             pad_to=48, eval_every=3, checkpoint_every=3, log_every=2, progress=False, tensorboard=False)
@@ -142,7 +143,7 @@ def test_evaluate_errors(finished_run, data_dir, tmp_path, capsys):
     assert status == 2 and "imdb" in err
     torch.save({"weights": torch.zeros(2)}, tmp_path / "plain.pt")
     status, _, err = _evaluate(capsys, "--checkpoint", str(tmp_path / "plain.pt"), "--data", str(data_dir))
-    assert status == 2 and "not a subquad ListOps checkpoint" in err
+    assert status == 2 and "not a subquad model file" in err
     status, _, err = _evaluate(capsys, "--checkpoint", str(out / "model.pt"), "--data", str(tmp_path / "nodata"))
     assert status == 2 and "nodata" in err
 

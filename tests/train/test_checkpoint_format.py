@@ -23,7 +23,7 @@ import torch
 
 from subquad.cli import main
 from subquad.train import checkpoint as ckpt
-from subquad.train.trainer import TrainConfig, load_model, train
+from subquad.train import TrainConfig, load_model, train
 
 FIXTURE = Path(__file__).parent / "data" / "format1"
 EXPECTED = json.loads((FIXTURE / "expected.json").read_text())

@@ -23,7 +23,7 @@ from subquad.train import checkpoint as ckpt
 from subquad.train.cli import build_parser, method_options, parse_method_options
 from subquad.train.cli import main as cli_main
 from subquad.train.sampler import ShardedBatchSampler
-from subquad.train.trainer import PRESETS, TrainConfig, _build_model, lr_factor, train
+from subquad.train import PRESETS, TrainConfig, build_model, lr_factor, train
 
 METHODS = [m.name for m in subquad.list_methods()]
 # Options that suit the tiny runs (sequences padded to 64, head dim 8); others use their defaults.
@@ -197,7 +197,7 @@ def test_tiny_training_run_for_every_method(method, data_dir, tmp_path):
     assert best["step"] == results["best_val_step"] and best["config"]["method"] == method
     # the mixer was trained: some of its parameters moved away from their initial values
     torch.manual_seed(0)  # the trainer seeds with cfg.seed = 0 before building the model
-    fresh, _ = _build_model(_config(data_dir, out, method), torch.device("cpu"))
+    fresh, _ = build_model(_config(data_dir, out, method), torch.device("cpu"))
     final = ckpt.load(out / "model.pt")["model"]
     moved = [not torch.equal(final[k], v) for k, v in fresh.state_dict().items() if ".mixer." in k]
     assert any(moved)
@@ -281,7 +281,7 @@ def test_two_process_ddp_matches_one_process(data_dir, tmp_path):
                         log_every=2))
     a, b = ckpt.load(ddp_out / "model.pt")["model"], ckpt.load(tmp_path / "one" / "model.pt")["model"]
     torch.manual_seed(0)
-    fresh, _ = _build_model(_config(data_dir, tmp_path, dtype="float64"), torch.device("cpu"))
+    fresh, _ = build_model(_config(data_dir, tmp_path, dtype="float64"), torch.device("cpu"))
     assert max((a[k] - v).abs().max().item() for k, v in fresh.state_dict().items()) > 1e-3  # it trained
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-9, atol=1e-10, msg=k)
@@ -448,7 +448,7 @@ def test_init_from_starts_from_another_runs_weights(data_dir, tmp_path):
     for k, v in source.items():  # lr 1e-12: the weights barely move from the source's
         torch.testing.assert_close(warm[k], v, atol=1e-6, rtol=0)
     # and the source is far from this seed's own initial weights, so the check above can fail
-    fresh, _ = _build_model(_config(data_dir, tmp_path / "x"), torch.device("cpu"))
+    fresh, _ = build_model(_config(data_dir, tmp_path / "x"), torch.device("cpu"))
     assert max((fresh.state_dict()[k] - v).abs().max().item() for k, v in source.items()) > 1e-4
 
 

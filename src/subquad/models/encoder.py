@@ -1,9 +1,10 @@
-"""A small sequence-classification encoder whose token mixer is any registered method.
+"""A small encoder whose token mixer is any registered method, for sequence or token classification.
 
 ``tokens (B, N)`` -> token embedding + positions (learned or sinusoidal) -> ``depth`` pre-LN
 blocks ``x + Dropout(mixer(LN(x)))``, ``x + FFN(LN(x))`` -> final LN -> mean over real tokens
--> classifier. The key padding mask (True = padding) reaches every mixer; padded positions never
-influence real ones, and pooling averages real tokens only.
+-> classifier (or, with ``pooling="none"``, the classifier at every position). The key padding
+mask (True = padding) reaches every mixer; padded positions never influence real ones, and
+pooling averages real tokens only.
 
 :func:`build_mixer` is the one place that turns a method name and its options into a module:
 attention methods (``kind == "attention"``) become :class:`subquad.MultiheadAttention`
@@ -34,7 +35,7 @@ __all__ = [
 ]
 
 POSITIONS = ("learned", "sinusoidal")
-POOLINGS = ("mean", "cls")
+POOLINGS = ("mean", "cls", "none")
 
 
 class AttentionMixer(nn.Module):
@@ -148,9 +149,11 @@ class Encoder(nn.Module):
         pooling: ``"mean"`` over real tokens, or ``"cls"``: a learned token (initialised to zeros)
             is put before the sequence, before the positions are added (the table then has
             ``max_len + 1`` rows), and its final state is the summary, as in the LRA code
-            (google-research/long-range-arena, ``classifier_pool="CLS"``).
+            (google-research/long-range-arena, ``classifier_pool="CLS"``); ``"none"``: no summary, the
+            classifier reads every position (token-level tasks such as MQAR).
 
-    ``forward(tokens (B, N) int64, key_padding_mask (B, N) bool | None)`` -> logits ``(B, classes)``.
+    ``forward(tokens (B, N) int64, key_padding_mask (B, N) bool | None)`` -> logits ``(B, classes)``,
+    or ``(B, N, classes)`` with ``pooling="none"`` (padded positions' logits are meaningless).
     With mean pooling a row with no real token pools to zeros.
     """
 
@@ -236,7 +239,9 @@ class Encoder(nn.Module):
 
     def pool(self, states: Tensor, key_padding_mask: Tensor | None) -> Tensor:
         """Mean of ``states (B, N, C)`` over real tokens -> ``(B, C)``; the first state with
-        ``pooling="cls"``."""
+        ``pooling="cls"``; ``states`` as they are with ``pooling="none"``."""
+        if self.pooling == "none":
+            return states
         if self.pooling == "cls":
             return states[:, 0]
         if key_padding_mask is None:
@@ -245,8 +250,18 @@ class Encoder(nn.Module):
         count = (~key_padding_mask).sum(dim=1, keepdim=True).clamp_min(1).to(states.dtype)
         return total / count
 
-    def forward(self, tokens: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
-        return self.head(self.pool(self.encode(tokens, key_padding_mask), key_padding_mask))
+    def forward(self, tokens: Tensor, key_padding_mask: Tensor | None = None, select: Tensor | None = None) -> Tensor:
+        """Logits (see the class docstring). ``select`` (bool ``(B, N)``, ``pooling="none"`` only):
+        the logits of the selected positions alone, ``(K, classes)`` in row-major order, so a task
+        with few labelled positions does not pay the classifier at every position."""
+        states = self.pool(self.encode(tokens, key_padding_mask), key_padding_mask)
+        if select is not None:
+            if self.pooling != "none":
+                raise ValueError("select needs pooling='none' (logits per position)")
+            if select.shape != tokens.shape or select.dtype != torch.bool:
+                raise ValueError(f"select must be a bool tensor of the tokens' shape {tuple(tokens.shape)}")
+            states = states[select]
+        return self.head(states)
 
     def extra_repr(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.method_options.items())

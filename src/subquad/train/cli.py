@@ -1,4 +1,4 @@
-"""``subquad data``, ``subquad train`` and ``subquad evaluate`` (ListOps), and their standalone form.
+"""``subquad data``, ``subquad train`` and ``subquad evaluate`` on a task, and their standalone form.
 
 :func:`add_parser` registers the three commands for :func:`subquad.cli.main`; :func:`main` runs
 them standalone (``python -m subquad.train.cli``, for ``torchrun``) from the same parsers::
@@ -6,7 +6,11 @@ them standalone (``python -m subquad.train.cli``, for ``torchrun``) from the sam
     subquad data listops --out out/data/listops
     subquad train listops --method nystrom -o num_landmarks=64 -o conv_kernel_size=35
     subquad evaluate listops --checkpoint out/listops/nystrom/best.pt --split val
+    subquad train mqar --method linear -t seq_len=512 -t num_pairs=32
     torchrun --nproc_per_node=2 -m subquad.train.cli train listops --method performer
+
+``train`` and ``evaluate`` take every registered task (:func:`subquad.tasks.list_tasks`); task
+options are ``-t NAME=VALUE``; ``data`` writes the files of a task that reads files (ListOps).
 
 Method options are ``-o NAME=VALUE`` (repeatable; ``NAME`` may be qualified, ``nystrom.num_landmarks``),
 values as :func:`subquad.cli_base.parse_value` reads them (``64``, ``0.5``, ``True``, ``None``, ``(8, 8)``,
@@ -23,6 +27,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ..tasks import get_task, list_tasks
 from ..cli_base import (add_option_argument, command_parser, deprecated, run_command, single_method_options,
                         split_option)
 
@@ -53,7 +58,7 @@ def _legacy_specs(extra: list[str]) -> list[str]:
 
 
 def method_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The method options of parsed ``train listops`` arguments: ``-o``, then the deprecated
+    """The method options of parsed ``train TASK`` arguments: ``-o``, then the deprecated
     trailing ``--name VALUE`` pairs (with a notice on stderr)."""
     extra = list(getattr(args, "extra_options", None) or [])
     legacy = _legacy_specs(extra)
@@ -70,37 +75,37 @@ def parse_method_options(pairs: list[str] | None = None, extra: list[str] | None
     return {name: value for _, name, value in map(split_option, [*(pairs or []), *_legacy_specs(extra or [])])}
 
 
-# command: (what it does, what it does to ListOps, the description of COMMAND listops)
+# command: (what it does, its description)
 _COMMANDS = {
-    "data": ("generate task data", "LRA ListOps splits (seeded, deduplicated)",
-             "Write basic_{train,val,test}.tsv (LRA format), a tokenised .npz cache and meta.json (label "
-             "distribution, majority baseline) into --out."),
-    "train": ("train an encoder on a task", "LRA ListOps classification",
-              "Train on ListOps. Defaults: preset 'nystromformer' (2 layers, dim 64, 2 heads, FFN 128, "
-              "batch 32, lr 1e-4, 1000 warm-up steps then linear decay, 5000 steps, pad to 2048). "
-              "Options left unset take the preset's value. Run the same command under "
-              "`torchrun --nproc_per_node=N` for DistributedDataParallel (--batch-size is the global batch)."),
-    "evaluate": ("evaluate a trained model on a task", "accuracy of a ListOps checkpoint",
-                 "Rebuild the model from the config saved in a checkpoint (model.pt, best.pt or checkpoint.pt of "
-                 "a `train listops` run; read with weights_only), evaluate it on a split with the run's input "
-                 "pipeline, and print one JSON object as the last line of stdout (accuracy as a fraction, loss, "
-                 "n, method, step, split, checkpoint)."),
+    "data": ("generate task data", "Generate the data files of a task that reads files."),
+    "train": ("train an encoder on a task",
+              "Train the encoder on a task. Options left unset take the preset's value. Run the same command "
+              "under `torchrun --nproc_per_node=N` for DistributedDataParallel "
+              "(--batch-size is the global batch)."),
+    "evaluate": ("evaluate a trained model on a task",
+                 "Rebuild the model from the config saved in a model file (model.pt, best.pt or checkpoint.pt of "
+                 "a `train` run; read with weights_only), evaluate it on a split with the run's input pipeline and "
+                 "task options, and print one JSON object as the last line of stdout (accuracy as a fraction, "
+                 "loss, n, method, step, split, checkpoint)."),
 }
-
-
-def _task_parser(subparsers, command: str, **kwargs: Any) -> argparse.ArgumentParser:
-    """``COMMAND listops``: the command's parser, and the parser of its one task, which it returns."""
-    does, task_help, task_description = _COMMANDS[command]
-    parser = subparsers.add_parser(command, help=f"{does} (ListOps)", description=f"{does[0].upper()}{does[1:]}.")
-    tasks = parser.add_subparsers(dest=f"{command}_task", metavar="TASK")
-    tasks.required = True
-    p = tasks.add_parser("listops", help=task_help, description=task_description, **kwargs)
-    p.set_defaults(subparser=p)
-    return p
+def _task_parsers(subparsers, command: str, tasks: tuple[str, ...], **kwargs: Any) -> list[argparse.ArgumentParser]:
+    """``COMMAND TASK``: the command's parser and one sub-parser per task, which it returns."""
+    does, description = _COMMANDS[command]
+    parser = subparsers.add_parser(command, help=f"{does} ({', '.join(tasks)})",
+                                   description=f"{description}")
+    sub = parser.add_subparsers(dest=f"{command}_task", metavar="TASK")
+    sub.required = True
+    out = []
+    for task in tasks:
+        doc = (get_task(task).__doc__ or task).strip()
+        p = sub.add_parser(task, help=doc.split(".")[0], description=f"{description} {doc}", **kwargs)
+        p.set_defaults(subparser=p, task=task)
+        out.append(p)
+    return out
 
 
 def add_parser(subparsers) -> None:
-    """``data``, ``train`` and ``evaluate`` (each with the ``listops`` task)."""
+    """``data`` (ListOps), ``train`` and ``evaluate`` (every task)."""
     add_data_parser(subparsers)
     add_train_parser(subparsers)
     add_evaluate_parser(subparsers)
@@ -114,7 +119,7 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
     from ..tasks.listops import GeneratorConfig
 
     d = GeneratorConfig()
-    p = _task_parser(subparsers, "data")
+    (p,) = _task_parsers(subparsers, "data", ("listops",))
     p.add_argument("--out", default="out/data/listops", help="output directory (default: %(default)s)")
     p.add_argument("--train-size", type=int, default=96_000, help="default: %(default)s")
     p.add_argument("--val-size", type=int, default=2_000, help="default: %(default)s")
@@ -164,35 +169,40 @@ def run_data_listops(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- train
 
 
-def add_train_parser(subparsers) -> argparse.ArgumentParser:
-    """``train listops``: train the encoder with a method (works under ``torchrun``)."""
-    from ..train.trainer import PRESETS
+def add_train_parser(subparsers) -> list[argparse.ArgumentParser]:
+    """``train TASK``: train the encoder with a method (works under ``torchrun``)."""
+    from ..train.config import PRESETS
 
-    p = _task_parser(
-        subparsers, "train", epilog="Method options: -o NAME=VALUE or -o METHOD.NAME=VALUE (repeatable), e.g. "
-        "-o num_landmarks=64 -o conv_kernel_size=35.")
-    p.add_argument("--method", required=True, help="a registered method (subquad.list_methods())")
-    add_option_argument(p, "num_landmarks=64")
-    p.add_argument("--preset", default="nystromformer", choices=sorted(PRESETS), help="default: %(default)s")
-    p.add_argument("--data", default="out/data/listops", help="data directory (default: %(default)s)")
-    p.add_argument("--out", default=None, help="run directory (default: out/listops/METHOD)")
-    _add_model_arguments(p.add_argument_group("model and optimisation (default: the preset's)"))
-    _add_run_arguments(p.add_argument_group("run"))
-    # accepts_extra: the deprecated trailing --name VALUE method options reach run_train_listops
-    p.set_defaults(func=run_train_listops, accepts_extra=True)
-    return p
+    parsers = _task_parsers(
+        subparsers, "train", tuple(list_tasks()), epilog="Method options: -o NAME=VALUE or -o METHOD.NAME=VALUE "
+        "(repeatable), e.g. -o num_landmarks=64 -o conv_kernel_size=35. Task options: -t NAME=VALUE.")
+    for p in parsers:
+        task = p.get_default("task")
+        p.add_argument("--method", required=True, help="a registered method (subquad.list_methods())")
+        add_option_argument(p, "num_landmarks=64")
+        p.add_argument("-t", "--task-option", action="append", default=[], metavar="NAME=VALUE",
+                       help="a task option (repeatable), e.g. -t num_pairs=32")
+        p.add_argument("--preset", default=get_task(task).preset, choices=sorted(PRESETS),
+                       help="default: %(default)s")
+        p.add_argument("--data", default=f"out/data/{task}", help="data directory (default: %(default)s)")
+        p.add_argument("--out", default=None, help=f"run directory (default: out/{task}/METHOD)")
+        _add_model_arguments(p.add_argument_group("model and optimisation (default: the preset's)"))
+        _add_run_arguments(p.add_argument_group("run"))
+        # accepts_extra: the deprecated trailing --name VALUE method options reach run_train
+        p.set_defaults(func=run_train, accepts_extra=True)
+    return parsers
 
 
 def _add_model_arguments(g) -> None:
-    from ..train.trainer import SCHEDULES
+    from ..train.config import SCHEDULES
 
     g.add_argument("--layers", type=int)
     g.add_argument("--dim", type=int)
     g.add_argument("--heads", type=int)
     g.add_argument("--ffn-dim", type=int)
     g.add_argument("--positions", choices=("learned", "sinusoidal"))
-    g.add_argument("--pooling", choices=("mean", "cls"), help="summary of the sequence: mean of real tokens, or "
-                   "a learned first token (LRA's CLS)")
+    g.add_argument("--pooling", choices=("mean", "cls", "none"), help="summary of the sequence: mean of real "
+                   "tokens, or a learned first token (LRA's CLS); none for a task with labels per position")
     g.add_argument("--dropout", type=float)
     g.add_argument("--attn-dropout", type=float, help="dropout on attention weights (softmax only)")
     g.add_argument("--head-hidden", type=int, help="classifier hidden width (0: one linear layer)")
@@ -237,9 +247,10 @@ def _add_run_arguments(r) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    """The :class:`TrainConfig` of parsed ``train listops`` arguments."""
+    """The :class:`TrainConfig` of parsed ``train TASK`` arguments."""
+    from ..cli_base import parse_value
     from ..registry import get_method
-    from ..train.trainer import TrainConfig
+    from ..train.config import TrainConfig
 
     get_method(args.method)
     options = method_options(args)
@@ -254,9 +265,15 @@ def config_from_args(args: argparse.Namespace):
         "grad_clip": args.grad_clip, "pad_to": args.pad_to, "eval_every": args.eval_every,
         "batching": args.batching, "bucket_pool": args.bucket_pool,
     }
+    task_options = {}
+    for spec in args.task_option:
+        name, sep, value = spec.partition("=")
+        if not sep or not name:
+            raise ValueError(f"task option {spec!r} is not NAME=VALUE")
+        task_options[name.strip()] = parse_value(value)
     return TrainConfig.from_preset(
-        args.preset, method=args.method, method_options=options, data_dir=args.data,
-        out_dir=args.out or f"out/listops/{args.method}", eval_samples=args.eval_samples,
+        args.preset, task=args.task, task_options=task_options, method=args.method, method_options=options,
+        data_dir=args.data, out_dir=args.out or f"out/{args.task}/{args.method}", eval_samples=args.eval_samples,
         checkpoint_every=args.checkpoint_every, log_every=args.log_every, seed=args.seed,
         threads=args.threads,
         device=args.device, amp=args.amp, dtype=args.dtype, resume=args.resume, max_minutes=args.max_minutes,
@@ -264,21 +281,27 @@ def config_from_args(args: argparse.Namespace):
         **overrides)
 
 
-def run_train_listops(args: argparse.Namespace) -> int:
+def run_train(args: argparse.Namespace) -> int:
+    from ..tasks import make_task
     from ..train.trainer import train
 
     try:
         cfg = config_from_args(args)
         cfg.validate()
         _check_model(cfg)
-        if not Path(cfg.data_dir).is_dir():
-            raise FileNotFoundError(f"data directory {cfg.data_dir!r} does not exist; create it with "
-                                    f"`subquad data listops --out {cfg.data_dir}`")
+        _check_data(make_task(cfg.task, cfg.task_options), cfg.data_dir)
         train(cfg)
     except (ValueError, TypeError, FileNotFoundError, NotImplementedError, FloatingPointError) as e:
-        print(f"train listops: error: {e}", file=sys.stderr)
+        print(f"train {args.task}: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _check_data(task, data_dir: str) -> None:
+    """A task that reads files needs its data directory."""
+    hint = task.data_hint(data_dir)
+    if hint and not Path(data_dir).is_dir():
+        raise FileNotFoundError(f"data directory {data_dir!r} does not exist; create it with {hint}")
 
 
 def _check_model(cfg) -> None:
@@ -291,26 +314,29 @@ def _check_model(cfg) -> None:
 # --------------------------------------------------------------------------- evaluate
 
 
-def add_evaluate_parser(subparsers) -> argparse.ArgumentParser:
-    """``evaluate listops``: accuracy of a saved model on a split."""
-    p = _task_parser(subparsers, "evaluate")
-    p.add_argument("--checkpoint", required=True, help="model file of a run")
-    p.add_argument("--data", default="out/data/listops", help="data directory (default: %(default)s)")
-    p.add_argument("--split", default="test", choices=("val", "test"), help="default: %(default)s")
-    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--device", default="cpu", help="default: %(default)s")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=run_evaluate_listops)
-    return p
+def add_evaluate_parser(subparsers) -> list[argparse.ArgumentParser]:
+    """``evaluate TASK``: accuracy of a saved model on a split."""
+    parsers = _task_parsers(subparsers, "evaluate", tuple(list_tasks()))
+    for p in parsers:
+        task = p.get_default("task")
+        p.add_argument("--checkpoint", required=True, help="model file of a run")
+        p.add_argument("--data", default=f"out/data/{task}", help="data directory (default: %(default)s)")
+        p.add_argument("--split", default="test", choices=("val", "test"), help="default: %(default)s")
+        p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+        p.add_argument("--device", default="cpu", help="default: %(default)s")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        p.set_defaults(func=run_evaluate)
+    return parsers
 
 
-def run_evaluate_listops(args: argparse.Namespace) -> int:
+def run_evaluate(args: argparse.Namespace) -> int:
     import json
 
     import torch
 
-    from ..tasks import listops
-    from ..train.trainer import evaluate_model, load_model
+    from ..tasks import make_task
+    from ..train.model_file import load_model
+    from ..train.trainer import evaluate_model
 
     try:
         if args.threads is not None:
@@ -318,10 +344,11 @@ def run_evaluate_listops(args: argparse.Namespace) -> int:
                 raise ValueError(f"--threads must be positive, got {args.threads}")
             torch.set_num_threads(args.threads)
         model, cfg, saved = load_model(args.checkpoint, device=args.device)
-        if not Path(args.data).is_dir():
-            raise FileNotFoundError(f"data directory {args.data!r} does not exist; create it with "
-                                    f"`subquad data listops --out {args.data}`")
-        data = listops.ListOpsDataset(listops.load_splits(args.data, (args.split,))[args.split])
+        if cfg.task != args.task:
+            raise ValueError(f"{args.checkpoint!r} is a model of task {cfg.task!r}; use `evaluate {cfg.task}`")
+        task = make_task(cfg.task, cfg.task_options)
+        _check_data(task, args.data)
+        data = getattr(task.load(args.data, None), args.split)
         progress = not args.no_progress
         if progress:
             try:
@@ -330,7 +357,7 @@ def run_evaluate_listops(args: argparse.Namespace) -> int:
                 progress = False
         loss, accuracy, n = evaluate_model(model, cfg, data, progress=progress)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError, KeyError) as e:
-        print(f"evaluate listops: error: {e}", file=sys.stderr)
+        print(f"evaluate {args.task}: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps({"accuracy": accuracy, "loss": loss, "n": n, "method": cfg.method,
                       "method_options": cfg.method_options, "step": int(saved.get("step", -1)),

@@ -1,0 +1,115 @@
+"""What the trainer needs from a task, and the registry of tasks.
+
+A task is a class with the fields below, registered by :func:`register_task`; the trainer,
+``subquad evaluate`` and the distributed path use only this interface, so a new task is one module
+(see CONTRIBUTING.md, "Adding a task").
+
+Its data is a :class:`TaskData`: three datasets, each with ``len()``, ``lengths()`` (tokens per
+sample, int array) and ``batch(indices, pad_to, multiple) -> (tokens (B, L) int64,
+key_padding_mask (B, L) bool, labels)``; ``labels`` is ``(B,)`` for a task with one label per
+sequence (``per_token = False``: the model pools its states) and ``(B, L)`` with
+:data:`IGNORE` where a position has no label for ``per_token = True`` (the model's head reads every
+position).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+__all__ = ["IGNORE", "Task", "TaskData", "register_task", "get_task", "list_tasks", "make_task"]
+
+IGNORE = -100  # a position without a label (torch's cross_entropy ignore_index default)
+
+
+@dataclass
+class TaskData:
+    """The splits of a run. ``val_idx`` / ``test_idx``: the samples evaluated (a prefix with
+    ``eval_samples``); ``facts``: numbers about the data that ``results.json`` records (e.g. the
+    majority-class baseline); ``description``: one line the trainer prints."""
+
+    train: Any
+    val: Any
+    test: Any
+    val_idx: np.ndarray
+    test_idx: np.ndarray
+    facts: dict[str, Any] = field(default_factory=dict)
+    description: str = ""
+
+
+class Task:
+    """A task: options as dataclass fields (checked in ``__post_init__``), and
+
+    ``name`` (registry key), ``per_token`` (labels per position, not per sequence), ``preset`` (the
+    trainer's default preset for it; its docstring is the CLI's help),
+    ``vocab_size`` and ``num_classes`` (properties or fields), ``max_length`` (longest input),
+    ``load(data_dir, eval_samples) -> TaskData`` and ``data_hint(data_dir) -> str`` (how to create
+    missing data; empty when the task generates its data in memory).
+    """
+
+    name: ClassVar[str] = ""
+    per_token: ClassVar[bool] = False
+    preset: ClassVar[str] = "nystromformer"  # the trainer's preset (subquad.train.config.PRESETS) by default
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def num_classes(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def max_length(self) -> int | None:
+        """The longest sample (None: decided by the data, truncated to the run's ``pad_to``)."""
+        return None
+
+    def load(self, data_dir: str, eval_samples: int | None) -> TaskData:
+        raise NotImplementedError
+
+    def data_hint(self, data_dir: str) -> str:
+        return ""
+
+    def options(self) -> dict[str, Any]:
+        """The task's options as a plain dict (what a run's config records)."""
+        return dataclasses.asdict(self) if dataclasses.is_dataclass(self) else {}
+
+
+_TASKS: dict[str, type[Task]] = {}
+
+
+def register_task(cls: type[Task]) -> type[Task]:
+    """Class decorator: make ``cls`` known by ``cls.name``."""
+    if not cls.name:
+        raise ValueError(f"task class {cls.__name__} has no name")
+    if cls.name in _TASKS and _TASKS[cls.name] is not cls:
+        raise ValueError(f"task {cls.name!r} is already registered")
+    _TASKS[cls.name] = cls
+    return cls
+
+
+def list_tasks() -> list[str]:
+    return list(_TASKS)
+
+
+def get_task(name: str) -> type[Task]:
+    """The registered task class; ValueError listing the known ones."""
+    try:
+        return _TASKS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown task {name!r}; tasks are {list(_TASKS)}") from None
+
+
+def make_task(name: str, options: dict[str, Any] | None = None) -> Task:
+    """An instance of task ``name`` with ``options``; unknown options raise ValueError naming the
+    allowed ones."""
+    cls = get_task(name)
+    options = dict(options or {})
+    allowed = [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"task {name!r} has no option(s) {unknown}; its options are {allowed}")
+    return cls(**options)
