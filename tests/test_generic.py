@@ -538,11 +538,17 @@ def test_registry_kernel_features_decode_like_the_causal_op(method):
     opts = generic_options(method, 8, q.dtype)
     if info.fixed_draw is not None:
         opts.update(info.fixed_draw(info.make_options(**opts), 8, torch.Generator().manual_seed(3)))
+    if info.learned_init is not None:  # learned tensors away from their initial values
+        gen = torch.Generator().manual_seed(4)
+        opts.update({name: t.double() + 0.3 * torch.randn(t.shape, generator=gen, dtype=torch.float64)
+                     for name, t in info.learned_init(info.make_options(**opts), 2, 8).items()})
     o = info.make_options(**opts)
     want = subquad.attention(q, k, v, method=method, causal=True, key_padding_mask=pad, **opts)
+    features = info.kernel_features(o)
+    assert features is not None, f"{method}: no kernel form for its test options"
     state, got, sizes = KernelState(getattr(o, "chunk_size", 64)), [], []
     for a, b in [(0, 20), (20, 21), (21, 22), (22, 30), (30, 37)]:
-        phi_q, phi_k = info.kernel_features(q[:, :, a:b], k[:, :, a:b], o, None)
+        phi_q, phi_k = features(q[:, :, a:b], k[:, :, a:b], None)
         got.append(state.attend(phi_q, phi_k, v[:, :, a:b], pad[:, a:b]))
         sizes.append(state.nbytes())
     torch.testing.assert_close(torch.cat(got, 2), want, rtol=1e-10, atol=1e-10)

@@ -221,20 +221,18 @@ def test_no_duplicated_runs(size):
     assert not rows, f"runs of {size} lines written twice:\n" + "\n".join(rows)
 
 
-# Branches on a method's name that are still waiting for a registry fact (issues 27 and 28: hedgehog
-# is not yet a registered method). Each entry is "file: name"; remove it when the branch goes.
-NAME_BRANCHES_ALLOWED = {
-    "subquad/hf/retrofit.py: hedgehog",
-}
+# Branches on a method's name that are still waiting for a registry fact. Each entry is
+# "file: name"; remove it when the branch goes.
+NAME_BRANCHES_ALLOWED: set[str] = set()
 
 
 def _name_branches():
     """``file: name`` for every comparison (``==``, ``!=``, ``in``, ``not in``) with a string literal
-    naming a registered method (or hedgehog), and every literal list of two or more of them,
+    naming a registered method, and every literal list of two or more of them,
     outside that method's own folder ``ops/<name>/`` and layer module ``layers/<name>.py``."""
     import subquad
 
-    names = {m.name for m in subquad.list_methods()} | {"hedgehog"}
+    names = {m.name for m in subquad.list_methods()}
     found = set()
     for path in MODULES.values():
         rel = path.relative_to(SRC).as_posix()

@@ -89,12 +89,18 @@ class MethodInfo:
     #: ``length_multiple(options) -> int``: what a padded batch's length should be a multiple of
     #: for these options (the full options dataclass; Sinkhorn's block size); None: any length
     length_multiple: Callable[[Any], int] | None = dataclasses.field(default=None, repr=False, compare=False)
-    #: ``kernel_features(q, k, options, scale) -> (phi(q), phi(k))``: for a method whose causal form
-    #: is normalised kernel attention with non-negative features (linear, performer), its feature
-    #: maps, so that a decoder can carry the running sums instead of the keys and values
-    #: (:class:`subquad.ops.linear.state.KernelState`); the options are the full dataclass
-    kernel_features: Callable[..., tuple[Tensor, Tensor]] | None = dataclasses.field(default=None, repr=False,
-                                                                                      compare=False)
+    #: ``kernel_features(options) -> features | None`` with ``features(q, k, scale) -> (phi(q),
+    #: phi(k))``: for a method whose causal form, under these options (the full dataclass), is
+    #: normalised kernel attention with non-negative features (linear, performer, hedgehog without a
+    #: window), its feature maps, so that a decoder can carry the running sums instead of the keys
+    #: and values (:class:`subquad.ops.linear.state.KernelState`); None for options without that form
+    kernel_features: Callable[[Any], Callable[..., tuple[Tensor, Tensor]] | None] | None = dataclasses.field(
+        default=None, repr=False, compare=False)
+    #: ``learned_init(options, num_heads, head_dim) -> {option name: tensor}``: the tensors a method
+    #: learns, which its op takes as options, at their initial values (hedgehog's feature maps); a
+    #: layer (:class:`subquad.layers.AttentionCore`, a retrofit) keeps them as parameters
+    learned_init: Callable[..., dict[str, Tensor]] | None = dataclasses.field(default=None, repr=False,
+                                                                             compare=False)
     # the options' field names, read once here: torch.compile cannot trace dataclasses.fields()
     option_names: tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
@@ -167,12 +173,12 @@ def register_method(
     fullgraph_with_padding: bool = True, length_multiple: Callable[[Any], int] | None = None,
     exact: bool = False, logit_scale: bool = True, query_local: bool = False,
     fixed_draw: Callable[..., dict[str, Tensor]] | None = None,
-    kernel_features: Callable[..., tuple[Tensor, Tensor]] | None = None,
+    kernel_features: Callable[[Any], Callable[..., tuple[Tensor, Tensor]] | None] | None = None,
+    learned_init: Callable[..., dict[str, Tensor]] | None = None,
 ) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
-    """Decorator: register ``impl(q, k, v, key_padding_mask, causal, scale, **options)``
-    under ``name`` and return the checked public op. ``impl`` gets ``scale=None`` when the
-    caller gave none (methods without a logit scale can then refuse an explicit one).
-    The keyword arguments are the fields of :class:`MethodInfo`."""
+    """Decorator: register ``impl(q, k, v, key_padding_mask, causal, scale, **options)`` under ``name``
+    and return the checked public op. ``impl`` gets ``scale=None`` when the caller gave none (methods
+    without a logit scale can then refuse an explicit one). Keywords: the fields of :class:`MethodInfo`."""
     _check_new(name, complexity, core=core, peer=peer)
 
     def decorator(impl: Callable[..., Tensor]) -> Callable[..., Tensor]:
@@ -223,13 +229,13 @@ def register_method(
         functools.update_wrapper(op, impl)
         del op.__wrapped__  # the internal signature is not the public one
         op.__signature__ = _public_signature(name, options)
-        info = _add(name, complexity, summary=summary, causal=causal, key_padding=key_padding,
-                    cross_attention=cross_attention, stochastic=stochastic,
-                    learned_parameters=learned_parameters, options=options, op=op, core=core, flops=flops,
+        info = _add(name, complexity, summary=summary, causal=causal, key_padding=key_padding, options=options,
+                    cross_attention=cross_attention, stochastic=stochastic, learned_parameters=learned_parameters,
+                    op=op, core=core, flops=flops,
                     peer=peer, test_options=test_options, sampling_options=sampling_options,
                     fullgraph_with_padding=fullgraph_with_padding, length_multiple=length_multiple, exact=exact,
                     logit_scale=logit_scale, query_local=query_local, fixed_draw=fixed_draw,
-                    kernel_features=kernel_features)
+                    kernel_features=kernel_features, learned_init=learned_init)
         return op
 
     return decorator

@@ -21,6 +21,7 @@ VARIANTS = {
              {"num_landmarks": 8, "training": True, "num_samples": 2, "antithetic": True}],
     "sinkhorn": [{}, {"block_size": 16}, {"block_size": 16, "top_blocks": 2},
                  {"block_size": 16, "sortcut_blocks": 2}],
+    "hedgehog": [{}, {"window": 8, "sinks": 1}, {"window": 5, "feature_dim": 12}],
 }
 # (B, H, N, D, Dv): N a multiple of the block and landmark counts, and not
 SHAPES = [(2, 3, 40, 8, 8), (1, 2, 96, 16, 16), (1, 2, 130, 16, 12)]

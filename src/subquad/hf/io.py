@@ -19,6 +19,9 @@ from .retrofit import attention_modules, retrofit, retrofit_layers
 __all__ = ["save_retrofit", "load_retrofit", "FORMAT"]
 
 FORMAT = "subquad-retrofit/1"
+# parameter names of files written before hedgehog was a registered method (its feature map was a
+# child module then; its tensors are now options of the op, kept under those names)
+_RENAMED = {"feature_map.weight": "weight", "feature_map.bias": "bias"}
 
 
 def save_retrofit(model: nn.Module, path: str | Path, *, meta: dict[str, Any] | None = None) -> Path:
@@ -61,5 +64,5 @@ def load_retrofit(model: nn.Module, path: str | Path) -> nn.Module:
                          f"this model has {sorted(names)[:3]}...")
     retrofit(model, state["method"], **state["options"])
     for name, r in retrofit_layers(model):
-        r.load_state_dict(state["layers"][name], strict=True)
+        r.load_state_dict({_RENAMED.get(k, k): v for k, v in state["layers"][name].items()}, strict=True)
     return model

@@ -24,37 +24,24 @@ from torch import Tensor, nn
 
 import subquad
 
-from .hedgehog import HedgehogFeatureMap, hedgehog_attention
-
 __all__ = ["RetrofitAttention", "retrofit", "unretrofit", "is_retrofitted", "attention_modules",
            "retrofit_methods", "IMPLEMENTATION"]
 
 IMPLEMENTATION = "subquad"
 # options consumed by the retrofit itself, never passed to an op
 _RETROFIT_OPTIONS = ("adapter", "seed")
-_HEDGEHOG_DEFAULTS = {"feature_dim": None, "window": 0, "sinks": 0, "chunk_size": 64}
 
 
 def retrofit_methods() -> list[str]:
-    """Names :func:`retrofit` accepts: every registered q/k/v method and ``"hedgehog"``."""
-    return [m.name for m in subquad.list_methods() if m.kind == "attention"] + ["hedgehog"]
-
-
-def _query_local(method: str) -> bool:
-    """Whether new queries may be computed alone against the cache (the entry's ``query_local``;
-    hedgehog, linear attention with a learned feature map, is)."""
-    return True if method == "hedgehog" else subquad.get_method(method).query_local
-
-
-def _method_causal(method: str) -> bool:
-    return True if method == "hedgehog" else subquad.get_method(method).causal
+    """Names :func:`retrofit` accepts: every registered q/k/v method."""
+    return [m.name for m in subquad.list_methods() if m.kind == "attention"]
 
 
 class RetrofitAttention(nn.Module):
     """What a retrofit adds to one attention module: the method, its options and its parameters.
 
-    - ``hedgehog``: a :class:`HedgehogFeatureMap` (and, with ``window > 0``, a per-head log-weight
-      of the linear term).
+    - a method with a ``learned_init`` in its entry (``hedgehog``: its feature maps and, with a
+      window, the linear term's log weight): those tensors, as parameters.
     - a method with a ``fixed_draw`` in its entry (``performer``: its ``(num_features, D)`` random
       projection): what it draws, as buffers, drawn once from ``seed`` + layer index, so the
       retrofitted model is deterministic and saved with it.
@@ -76,30 +63,19 @@ class RetrofitAttention(nn.Module):
         self.drawn: tuple[str, ...] = ()  # buffers the method takes as options (its entry's fixed_draw)
         self.active_cache: Any = None  # the cache of the call in progress (set by a hook on the attention module)
         self.hooks: tuple = ()  # the hooks that set it (removed by unretrofit)
-        if method == "hedgehog":
-            unknown = sorted(set(options) - set(_HEDGEHOG_DEFAULTS))
-            if unknown:
-                raise ValueError(f"method 'hedgehog' got unknown option(s) {unknown}; valid options are "
-                                 f"{[*_HEDGEHOG_DEFAULTS, *_RETROFIT_OPTIONS]}")
-            options = {**_HEDGEHOG_DEFAULTS, **options}
-            if int(options["window"]) < 0 or int(options["chunk_size"]) < 1:
-                raise ValueError(f"hedgehog: window must be >= 0 and chunk_size >= 1, got {options}")
-            if not 0 <= int(options["sinks"]) <= int(options["window"]):
-                raise ValueError(f"hedgehog: sinks must be between 0 and window, got {options}")
-            self.feature_map = HedgehogFeatureMap(heads, head_dim, options["feature_dim"])
-            if options["window"] > 0:
-                self.linear_log_weight = nn.Parameter(torch.zeros(heads))
-        else:
-            info = subquad.get_method(method)
-            if "generator" in options or "features" in options:
-                raise ValueError(f"{method}: pass seed=INT to retrofit, not a generator or features; the "
-                                 "retrofit draws and stores what it needs")
-            o = info.make_options(**options)  # validates names and ranges
-            drawn = {} if info.fixed_draw is None else info.fixed_draw(
-                o, head_dim, torch.Generator().manual_seed(self.seed + 1000 * layer))
-            for name, t in drawn.items():
-                self.register_buffer(name, t)
-            self.drawn = tuple(drawn)
+        info = subquad.get_method(method)
+        if "generator" in options or "features" in options:
+            raise ValueError(f"{method}: pass seed=INT to retrofit, not a generator or features; the "
+                             "retrofit draws and stores what it needs")
+        o = info.make_options(**options)  # validates names and ranges
+        drawn = {} if info.fixed_draw is None else info.fixed_draw(
+            o, head_dim, torch.Generator().manual_seed(self.seed + 1000 * layer))
+        for name, t in drawn.items():
+            self.register_buffer(name, t)
+        learned = {} if info.learned_init is None else info.learned_init(o, heads, head_dim)
+        for name, t in learned.items():
+            self.register_parameter(name, nn.Parameter(t))
+        self.drawn = tuple(drawn) + tuple(learned)  # tensors of this module the op takes as options
         self.options = options
         if self.adapter:
             eye = torch.eye(head_dim).expand(heads, head_dim, head_dim).clone()
@@ -125,11 +101,16 @@ class RetrofitAttention(nn.Module):
 
     @property
     def has_state(self) -> bool:
-        """Whether this layer can decode with a recurrent state (:meth:`decode`): a method with
-        ``kernel_features`` in its entry, or hedgehog without a window."""
-        if self.method == "hedgehog":
-            return self.options["window"] == 0
-        return subquad.get_method(self.method).kernel_features is not None
+        """Whether this layer can decode with a recurrent state (:meth:`decode`): its method's
+        entry has ``kernel_features`` for its options (hedgehog: without a window)."""
+        return self._features() is not None
+
+    def _features(self, q: Tensor | None = None):
+        """The entry's kernel feature function for this layer's options, or None."""
+        info = subquad.get_method(self.method)
+        if info.kernel_features is None:
+            return None
+        return info.kernel_features(info.make_options(**self._op_options(q)))
 
     def _inputs(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v in float32 (float64 stays), through the adapters."""
@@ -139,11 +120,12 @@ class RetrofitAttention(nn.Module):
             k = torch.einsum("bhnd,hde->bhne", k, self.k_adapter.to(k.dtype))
         return q, k, v
 
-    def _op_options(self, q: Tensor) -> dict[str, Any]:
-        """The options the op gets: the retrofit's, the drawn buffers, a seeded generator."""
+    def _op_options(self, q: Tensor | None) -> dict[str, Any]:
+        """The options the op gets: the retrofit's, the drawn buffers and learned parameters, a
+        seeded generator (on q's device; none without q)."""
         opts = dict(self.options)
         opts.update({name: getattr(self, name) for name in self.drawn})
-        if subquad.get_method(self.method).stochastic and not self.drawn:
+        if q is not None and subquad.get_method(self.method).stochastic and not self.drawn:
             opts["generator"] = torch.Generator(device=q.device).manual_seed(self.seed + 1000 * self.layer)
         return opts
 
@@ -168,16 +150,10 @@ class RetrofitAttention(nn.Module):
                                       "state; decode it with transformers' DynamicCache (subquad.hf.decoding_cache)")
         dtype = q.dtype
         q, k, v = self._inputs(q, k, v)
-        if self.method == "hedgehog":
-            phi_q, phi_k = self.feature_map(q), self.feature_map(k)
-            chunk = self.options["chunk_size"]
-        else:
-            info = subquad.get_method(self.method)
-            o = info.make_options(**self._op_options(q))
-            phi_q, phi_k = info.kernel_features(q, k, o, self._op_scale(q, scale))
-            chunk = getattr(o, "chunk_size", 64)
+        o = subquad.get_method(self.method).make_options(**self._op_options(q))
+        phi_q, phi_k = self._features(q)(q, k, self._op_scale(q, scale))
         if layer.state is None:
-            layer.state = KernelState(chunk)
+            layer.state = KernelState(getattr(o, "chunk_size", 64))
         return layer.state.attend(phi_q, phi_k, v.to(phi_q.dtype), key_padding_mask).to(dtype)
 
     def approx(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool,
@@ -185,13 +161,6 @@ class RetrofitAttention(nn.Module):
         """The retrofitted attention (float32 math, output in q's dtype)."""
         dtype = q.dtype
         q, k, v = self._inputs(q, k, v)
-        if self.method == "hedgehog":
-            o = self.options
-            lw = self.linear_log_weight.exp() if o["window"] > 0 else None
-            out = hedgehog_attention(self.feature_map(q), self.feature_map(k), q, k, v, key_padding_mask, causal,
-                                     window=o["window"], scale=scale, chunk_size=o["chunk_size"], linear_weight=lw,
-                                     sinks=o["sinks"])
-            return out.to(dtype)
         out = subquad.attention(q, k, v, method=self.method, key_padding_mask=key_padding_mask, causal=causal,
                                 scale=self._op_scale(q, scale), **self._op_options(q))
         return out.to(dtype)
@@ -251,8 +220,8 @@ def _subquad_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     causal = causal and m > 1
     if causal and n != m:
         # decoding with a KV cache: the queries are the last n positions; left-pad them to m
-        if not _query_local(r.method):
-            local = [name for name in retrofit_methods() if _query_local(name)]
+        if not subquad.get_method(r.method).query_local:
+            local = [name for name in retrofit_methods() if subquad.get_method(name).query_local]
             raise NotImplementedError(f"subquad retrofit: cached decoding (query length {n} < key length {m}) is "
                                       f"supported for {local}, not {r.method!r}")
         full = query.new_zeros(query.shape[0], query.shape[1], m, query.shape[3])
@@ -323,8 +292,8 @@ def retrofit(model: nn.Module, method: str, **options: Any) -> nn.Module:
     Args:
         model: a ``transformers.PreTrainedModel`` whose attention goes through
             ``AttentionInterface`` (BERT family, Llama, GPT-2, ...).
-        method: a registered q/k/v method (``subquad.list_methods()``) or ``"hedgehog"``
-            (learned feature-map linear attention, :mod:`subquad.hf.hedgehog`).
+        method: a registered q/k/v method (``subquad.list_methods()``; ``"hedgehog"``, linear
+            attention with learned feature maps, is the one made for this).
         **options: the method's options, plus ``adapter=True`` (per-head learnable q/k maps,
             identity at start) and ``seed`` (for the random pieces: Performer's projection,
             the samples of ``ra``/``lara``).
@@ -347,11 +316,11 @@ def retrofit(model: nn.Module, method: str, **options: Any) -> nn.Module:
         raise ValueError(f"found no attention module dispatching through AttentionInterface in "
                          f"{type(model).__name__}")
     if any(getattr(m, "is_cross_attention", False) or "crossattention" in n.lower() for n, m in mods):
-        if method != "hedgehog" and not subquad.get_method(method).cross_attention:
+        if not subquad.get_method(method).cross_attention:
             raise NotImplementedError(f"{type(model).__name__} has cross-attention; {method!r} does not support it")
     causal_layers = [n for n, m in mods if m.is_causal]
-    if causal_layers and not _method_causal(method):
-        causal = [m for m in retrofit_methods() if _method_causal(m)]
+    if causal_layers and not subquad.get_method(method).causal:
+        causal = [m for m in retrofit_methods() if subquad.get_method(m).causal]
         raise NotImplementedError(
             f"{type(model).__name__} is a decoder (causal attention in {causal_layers[0]} and others); method "
             f"{method!r} is not causal by construction. Causal methods: {causal}")

@@ -32,7 +32,9 @@ class AttentionCore(nn.Module):
     named by the ``core`` import path of its registry entry.
 
     ``module_options`` names the constructor options that belong to the core rather than to
-    the op (they are not passed to the op).
+    the op (they are not passed to the op). The tensors a method learns (its entry's
+    ``learned_init``, e.g. hedgehog's feature maps) are parameters of the core, named as the op's
+    options, and reach the op with them.
     """
 
     module_options: tuple[str, ...] = ()
@@ -45,10 +47,14 @@ class AttentionCore(nn.Module):
         self.head_dim = head_dim
         self.options = dict(options)
         self.dropout = dropout
-        method.make_options(**self.options)  # validate now, not at the first forward
+        o = method.make_options(**self.options)  # validate now, not at the first forward
+        init = {} if method.learned_init is None else method.learned_init(o, num_heads, head_dim)
+        for name, t in init.items():
+            self.register_parameter(name, nn.Parameter(t.to(device=device, dtype=dtype)))
+        self.learned = tuple(init)
 
     def op_options(self) -> dict[str, Any]:
-        return dict(self.options)
+        return {**self.options, **{name: getattr(self, name) for name in self.learned}}
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool,
                 extra_keys: int = 0) -> Tensor:
@@ -57,7 +63,13 @@ class AttentionCore(nn.Module):
         return self.method.op(q, k, v, key_padding_mask=key_padding_mask, causal=causal, **self.op_options())
 
     def reset_parameters(self) -> None:
-        """Re-initialise what the core owns (default: every child's own ``reset_parameters``)."""
+        """Re-initialise what the core owns: the learned tensors to their initial values, and every
+        child's own ``reset_parameters``."""
+        if self.learned:
+            init = self.method.learned_init(self.method.make_options(**self.options), self.num_heads, self.head_dim)
+            with torch.no_grad():
+                for name in self.learned:
+                    getattr(self, name).copy_(init[name])
         for child in self.children():
             if hasattr(child, "reset_parameters"):
                 child.reset_parameters()

@@ -102,10 +102,15 @@ def flops(B, H, N, M, D, Dv, o):
     return 2 * B * H * (M * D * Dv + N * D * Dv + N * D)
 
 
-def _kernel_features(q: Tensor, k: Tensor, o: LinearOptions, scale: float | None) -> tuple[Tensor, Tensor]:
-    """``elu(x) + 1`` of q and k in the op's compute dtype (the entry's ``kernel_features``)."""
+def _features(q: Tensor, k: Tensor, scale: float | None) -> tuple[Tensor, Tensor]:
+    """``elu(x) + 1`` of q and k in the op's compute dtype."""
     dtype = compute_dtype(q.dtype)
     return elu_feature_map(q.to(dtype)), elu_feature_map(k.to(dtype))
+
+
+def _kernel_features(o: LinearOptions):
+    """The entry's ``kernel_features``: the same ``elu(x) + 1`` for every option."""
+    return _features
 
 
 @register_method("linear", options=LinearOptions, summary="elu(x)+1 linear attention (Katharopoulos et al. 2020)",

@@ -177,17 +177,20 @@ def _fixed_draw(o: PerformerOptions, head_dim: int, generator: torch.Generator) 
     return {"features": random_projection(o.num_features, head_dim, orthogonal=o.orthogonal, generator=generator)}
 
 
-def _kernel_features(q: Tensor, k: Tensor, o: PerformerOptions, scale: float | None) -> tuple[Tensor, Tensor]:
-    """The causal op's query and key features (the entry's ``kernel_features``): they need the
-    drawn ``features`` (a decoder's steps must all use one projection)."""
+def _kernel_features(o: PerformerOptions):
+    """The causal op's query and key features (the entry's ``kernel_features``). They need the
+    drawn ``features`` (a decoder's steps must all use one projection): None without them."""
     if o.features is None:
-        raise ValueError("performer: a decoding state needs fixed random features; pass features= (drawn once, "
-                         "e.g. by the entry's fixed_draw)")
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    dtype = compute_dtype(q.dtype)
-    w = o.features.to(device=q.device, dtype=dtype)
-    return (performer_features(q.to(dtype), w, kind="query", scale=scale),
-            performer_features(k.to(dtype), w, kind="key", scale=scale, causal=True))
+        return None
+
+    def features(q: Tensor, k: Tensor, scale: float | None) -> tuple[Tensor, Tensor]:
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        dtype = compute_dtype(q.dtype)
+        w = o.features.to(device=q.device, dtype=dtype)
+        return (performer_features(q.to(dtype), w, kind="query", scale=scale),
+                performer_features(k.to(dtype), w, kind="key", scale=scale, causal=True))
+
+    return features
 
 
 @register_method("performer", options=PerformerOptions,
