@@ -39,7 +39,9 @@ _SPLIT_CODE = {"train": 0, "val": 1, "test": 2}
 class MQAR(Task):
     """Multi-query associative recall (Zoology), generated in memory. ``num_pairs`` pairs in
     sequences of ``seq_len`` tokens (``seq_len >= 4 * num_pairs``: the pairs and one query slot per
-    key), ``vocab_size`` tokens; ``train_size`` distinct training samples (Zoology: 100 000),
+    key), ``vocab_size`` tokens; ``train_pairs`` (optional): training samples draw their number of
+    pairs from these instead, as Zoology trains on a mixture of pair counts (the easy ones teach the
+    recall circuit sooner); ``train_size`` distinct training samples (Zoology: 100 000),
     ``eval_size`` each for validation and test. Task options: ``-t seq_len=512 -t num_pairs=32``.
     Preset ``mqar``: 2 layers, dim 64, 2 heads, a linear head at every position."""
 
@@ -51,13 +53,17 @@ class MQAR(Task):
     num_pairs: int = 16
     vocab_size: int = 512
     power_a: float = 0.01
+    train_pairs: tuple[int, ...] = ()
     train_size: int = 100_000
     eval_size: int = 1_000
     data_seed: int = 0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "train_pairs", tuple(self.train_pairs))  # a list from a JSON config too
         check_int("mqar", "num_pairs", self.num_pairs, minimum=1)
-        check_int("mqar", "seq_len", self.seq_len, minimum=4 * self.num_pairs)
+        for pairs in self.train_pairs:
+            check_int("mqar", "train_pairs", pairs, minimum=1)
+        check_int("mqar", "seq_len", self.seq_len, minimum=4 * max((self.num_pairs, *self.train_pairs)))
         check_int("mqar", "vocab_size", self.vocab_size, minimum=2 * self.num_pairs + 2)
         check_float("mqar", "power_a", self.power_a, minimum=0.0, inclusive=False)
         check_int("mqar", "train_size", self.train_size, minimum=1)
@@ -76,9 +82,10 @@ class MQAR(Task):
         sets = {s: MQARDataset(self, s, self.train_size if s == "train" else self.eval_size) for s in _SPLIT_CODE}
         n_eval = self.eval_size if eval_samples is None else min(eval_samples, self.eval_size)
         chance = 2.0 / self.vocab_size  # a uniform guess among the values
+        mix = f" (training: {'/'.join(map(str, self.train_pairs))})" if self.train_pairs else ""
         return TaskData(sets["train"], sets["val"], sets["test"], np.arange(n_eval), np.arange(n_eval),
                         facts={"chance_accuracy": chance},
-                        description=f"mqar: {self.num_pairs} pairs in {self.seq_len} tokens, vocabulary "
+                        description=f"mqar: {self.num_pairs} pairs in {self.seq_len} tokens{mix}, vocabulary "
                                     f"{self.vocab_size}; {self.train_size} train / {n_eval} val / {n_eval} test "
                                     "samples, generated in memory")
 
@@ -88,6 +95,8 @@ def make_sample(task: MQAR, split: str, index: int) -> tuple[np.ndarray, np.ndar
     rng = np.random.default_rng([task.data_seed, _SPLIT_CODE[split], int(index)])
     half = task.vocab_size // 2
     p = task.num_pairs
+    if split == "train" and task.train_pairs:
+        p = task.train_pairs[rng.integers(len(task.train_pairs))]
     keys = rng.choice(np.arange(1, half), size=p, replace=False)
     values = rng.choice(np.arange(half, task.vocab_size), size=p, replace=False)
     tokens = rng.integers(1, task.vocab_size, size=task.seq_len)
