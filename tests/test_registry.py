@@ -341,3 +341,20 @@ def test_unregister(scratch_registry):
     assert "_scratch_gone" not in [m.name for m in subquad.list_methods()]
     with pytest.raises(KeyError):
         registry.unregister("_scratch_gone")
+
+
+@pytest.mark.parametrize("name", [m.name for m in subquad.list_methods() if m.kind == "attention"])
+def test_module_options_are_registry_facts(name):
+    """A layer core's own options (``module_options``, a dataclass) are listed with their defaults by
+    the entry, are accepted by ``MultiheadAttention`` at those defaults, never reach the op, and
+    are checked with the method's name."""
+    info = subquad.get_method(name)
+    module = info.module_option_defaults()
+    assert not set(module) & set(info.option_names), name
+    tiny = info.test_options if isinstance(info.test_options, dict) else {}
+    mha = subquad.MultiheadAttention(16, 2, method=name, batch_first=True, **module, **tiny)
+    assert not set(module) & set(mha.core.options), name
+    if module:
+        first = next(iter(module))
+        with pytest.raises((ValueError, TypeError), match=name):
+            subquad.MultiheadAttention(16, 2, method=name, **{first: object()})

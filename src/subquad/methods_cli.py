@@ -46,4 +46,9 @@ def run_methods(args: argparse.Namespace) -> int:
     print(f"{info.name} ({info.kind}, {info.complexity}): {info.summary}")
     for name, default in info.option_defaults().items():
         print(f"  {name} = {default!r}")
+    module = info.module_option_defaults() if info.kind == "attention" else {}
+    if module:
+        print("options of its MultiheadAttention layer:")
+        for name, default in module.items():
+            print(f"  {name} = {default!r}")
     return 0

@@ -117,6 +117,14 @@ class MethodInfo:
                 out[f.name] = f.default_factory()
         return out
 
+    def module_option_defaults(self) -> dict[str, Any]:
+        """The options of the method's layer core (``MultiheadAttention``) beyond the op's, and their
+        defaults: the fields of its core's ``module_options`` dataclass (checked there)."""
+        if self.core is None:
+            return {}
+        options = getattr(resolve_path(self.core), "module_options", None)
+        return {} if options is None else {f.name: f.default for f in dataclasses.fields(options)}
+
     def make_options(self, **options: Any):
         """Build (and so validate) the options dataclass; unknown names are a ValueError.
         Traceable by ``torch.compile(fullgraph=True)``."""

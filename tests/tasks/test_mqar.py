@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from subquad.models import Encoder
 from subquad.tasks import IGNORE, MQAR, get_task, list_tasks, make_task
@@ -161,3 +162,42 @@ def test_cli_train_mqar(tmp_path, capsys):
     assert results["config"]["preset"] == "mqar" and results["task_options"]["num_pairs"] == 4
     assert cli_main(["train", "mqar", "--method", "softmax", "--out", str(tmp_path / "x"), "-t", "pairs=3"]) == 2
     assert "no option" in capsys.readouterr().err
+
+
+def test_training_samples_draw_their_pairs_from_the_mixture():
+    task = MQAR(seq_len=128, num_pairs=8, train_pairs=[2, 4, 16])
+    assert task.train_pairs == (2, 4, 16)  # a JSON list becomes a tuple
+    counts = {int((make_sample(task, "train", i)[1] != IGNORE).sum()) for i in range(60)}
+    assert counts == {2, 4, 16}
+    assert {int((make_sample(task, "test", i)[1] != IGNORE).sum()) for i in range(10)} == {8}
+    with pytest.raises(ValueError, match="seq_len must be >= 128"):
+        MQAR(seq_len=64, num_pairs=8, train_pairs=(32,))
+
+
+def test_short_conv_is_causal_and_ignores_padding():
+    from subquad.models.encoder import ShortConv
+
+    torch.manual_seed(0)
+    conv = ShortConv(6, 3).double()
+    x = torch.randn(2, 10, 6, dtype=torch.float64)
+    y = conv(x)
+    changed = x.clone()
+    changed[:, 7:] += 1.0  # later tokens leave earlier outputs as they are
+    torch.testing.assert_close(conv(changed)[:, :7], y[:, :7], rtol=0, atol=0)
+    assert not torch.allclose(conv(changed)[:, 7:], y[:, 7:])
+    pad = torch.zeros(2, 10, dtype=torch.bool)
+    pad[:, 3] = True
+    moved = x.clone()
+    moved[:, 3] = 100.0  # content at a padded position reaches no output
+    torch.testing.assert_close(conv(moved, pad), conv(x, pad), rtol=0, atol=0)
+    manual = sum(conv.conv.weight[:, 0, 2 - j] * F.pad(x, (0, 0, j, 0))[:, :10] for j in range(3)) + conv.conv.bias
+    torch.testing.assert_close(y, manual)
+
+
+def test_conv_kernel_size_adds_the_conv_and_old_models_load():
+    plain = Encoder(20, 5, dim=16, heads=2, max_len=32)
+    conv = Encoder(20, 5, dim=16, heads=2, max_len=32, conv_kernel_size=3)
+    extra = set(conv.state_dict()) - set(plain.state_dict())
+    assert extra and all(".conv." in k or ".norm0." in k for k in extra)
+    with pytest.raises(ValueError, match="conv_kernel_size must be a non-negative int"):
+        Encoder(20, 5, dim=16, heads=2, conv_kernel_size=-1)

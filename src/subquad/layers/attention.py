@@ -12,6 +12,7 @@ and nested inputs, ``add_bias_kv`` / ``add_zero_attn``, weights, errors); see it
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -31,13 +32,14 @@ class AttentionCore(nn.Module):
     construction. A method that needs state has a subclass in its own file (``layers/<method>.py``),
     named by the ``core`` import path of its registry entry.
 
-    ``module_options`` names the constructor options that belong to the core rather than to
-    the op (they are not passed to the op). The tensors a method learns (its entry's
+    ``module_options``: a dataclass of the constructor options that belong to the core rather
+    than to the op (with defaults, checked in its ``__post_init__``); the core reads them from
+    ``self.module``, and the op never sees them. The tensors a method learns (its entry's
     ``learned_init``, e.g. hedgehog's feature maps) are parameters of the core, named as the op's
     options, and reach the op with them.
     """
 
-    module_options: tuple[str, ...] = ()
+    module_options: type | None = None
 
     def __init__(self, method: MethodInfo, num_heads: int, head_dim: int, options: dict, *,
                  dropout: float = 0.0, device=None, dtype=None):
@@ -45,7 +47,12 @@ class AttentionCore(nn.Module):
         self.method = method
         self.num_heads = num_heads
         self.head_dim = head_dim
-        self.options = dict(options)
+        options = dict(options)
+        self.module = None
+        if self.module_options is not None:
+            mine = [f.name for f in dataclasses.fields(self.module_options) if f.name in options]
+            self.module = self.module_options(**{name: options.pop(name) for name in mine})
+        self.options = options
         self.dropout = dropout
         o = method.make_options(**self.options)  # validate now, not at the first forward
         init = {} if method.learned_init is None else method.learned_init(o, num_heads, head_dim)

@@ -22,12 +22,14 @@ Linear layers start from ``trunc_normal(std=0.02)`` with zero bias, LayerNorm fr
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..checks import check_choice
 from ..ops.nystrom import segment_means
 from .attention import AttentionCore
 
@@ -142,6 +144,25 @@ def square_grid(n: int) -> tuple[int, int]:
     return g, g
 
 
+@dataclass
+class LaraModuleOptions:
+    """``proposal``: the landmark network (one of :data:`PROPOSALS`); ``grid_size``: ``(height,
+    width)`` of the token grid of the ``pool`` proposals (None: square)."""
+
+    proposal: str = "none"
+    grid_size: tuple[int, int] | None = None
+
+    def __post_init__(self):
+        check_choice("lara", "proposal", self.proposal, PROPOSALS)
+        g = self.grid_size
+        if g is not None:
+            ok = (isinstance(g, (tuple, list)) and len(g) == 2
+                  and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in g))
+            if not ok:
+                raise ValueError(f"lara: grid_size must be (height, width) positive ints or None, got {g!r}")
+            self.grid_size = tuple(g)
+
+
 class LaraCore(AttentionCore):
     """LARA inside ``MultiheadAttention``: owns the landmark network chosen by ``proposal``
     (see the module docstring) and runs the op in training mode (``w = mu + noise``) while the
@@ -149,28 +170,17 @@ class LaraCore(AttentionCore):
     of the ``pool`` proposals. The op's ``training``, ``q_landmarks`` and ``k_landmarks`` are set
     by the core, not by the caller."""
 
-    module_options = ("proposal", "grid_size")
+    module_options = LaraModuleOptions
 
     def __init__(self, method, num_heads, head_dim, options, *, dropout=0.0, device=None, dtype=None):
-        options = dict(options)
-        proposal = options.pop("proposal", "none")
-        grid_size = options.pop("grid_size", None)
         for owned in ("training", "q_landmarks", "k_landmarks"):
             if owned in options:
                 raise ValueError(f"lara: MultiheadAttention sets {owned!r} itself (training follows "
                                  ".train()/.eval(), landmarks come from proposal=...); do not pass it")
-        if proposal not in PROPOSALS:
-            raise ValueError(f"lara: proposal must be one of {list(PROPOSALS)}, got {proposal!r}")
-        if grid_size is not None:
-            ok = (isinstance(grid_size, (tuple, list)) and len(grid_size) == 2
-                  and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in grid_size))
-            if not ok:
-                raise ValueError(f"lara: grid_size must be (height, width) positive ints or None, got {grid_size!r}")
-            grid_size = tuple(grid_size)
         super().__init__(method, num_heads, head_dim, options)
-        self.proposal = proposal
-        self.grid_size = grid_size
-        num_landmarks = method.make_options(**options).num_landmarks
+        self.proposal = proposal = self.module.proposal
+        self.grid_size = self.module.grid_size
+        num_landmarks = method.make_options(**self.options).num_landmarks
         self.landmarks: nn.Module | None = None
         if proposal == "adaptive-1d":
             self.landmarks = AdaptiveLandmarks1d(head_dim, num_landmarks, device=device, dtype=dtype)

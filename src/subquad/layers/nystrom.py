@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch.nn as nn
 
 from .attention import AttentionCore
 
-__all__ = ["NystromCore"]
+__all__ = ["NystromCore", "NystromModuleOptions"]
+
+
+@dataclass
+class NystromModuleOptions:
+    """``conv_kernel_size``: the odd width of the depthwise conv skip on V (None: no skip)."""
+
+    conv_kernel_size: int | None = None
+
+    def __post_init__(self):
+        ks = self.conv_kernel_size
+        if ks is not None and (isinstance(ks, bool) or not isinstance(ks, int) or ks < 1 or ks % 2 == 0):
+            raise ValueError(f"nystrom: conv_kernel_size must be an odd positive int or None, got {ks!r}")
 
 
 class NystromCore(AttentionCore):
@@ -15,16 +29,13 @@ class NystromCore(AttentionCore):
     head's features (``Conv2d(H, H, (k, 1), groups=H)``), added to the attention output.
     Padded values are zeroed before the conv."""
 
-    module_options = ("conv_kernel_size",)
+    module_options = NystromModuleOptions
 
     def __init__(self, method, num_heads, head_dim, options, *, dropout=0.0, device=None, dtype=None):
-        options = dict(options)
-        ks = options.pop("conv_kernel_size", None)
         super().__init__(method, num_heads, head_dim, options)
+        ks = self.module.conv_kernel_size
         self.conv = None
         if ks is not None:
-            if isinstance(ks, bool) or not isinstance(ks, int) or ks < 1 or ks % 2 == 0:
-                raise ValueError(f"nystrom: conv_kernel_size must be an odd positive int or None, got {ks!r}")
             self.conv = nn.Conv2d(num_heads, num_heads, (ks, 1), padding=(ks // 2, 0), groups=num_heads,
                                   bias=False, device=device, dtype=dtype)
 

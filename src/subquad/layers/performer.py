@@ -2,29 +2,40 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ..checks import check_bool
 from ..ops.performer import random_projection
 from .attention import AttentionCore
 
-__all__ = ["PerformerCore"]
+__all__ = ["PerformerCore", "PerformerModuleOptions"]
+
+
+@dataclass
+class PerformerModuleOptions:
+    """``redraw_features``: draw a fresh projection at every training forward (eval always uses
+    the fixed one)."""
+
+    redraw_features: bool = True
+
+    def __post_init__(self):
+        check_bool("performer", "redraw_features", self.redraw_features)
 
 
 class PerformerCore(AttentionCore):
     """Performer with a fixed projection buffer for eval (deterministic) and, while training
     with ``redraw_features=True`` (default), a fresh projection at every forward."""
 
-    module_options = ("redraw_features",)
+    module_options = PerformerModuleOptions
 
     def __init__(self, method, num_heads, head_dim, options, *, dropout=0.0, device=None, dtype=None):
-        options = dict(options)
-        self.redraw_features = options.pop("redraw_features", True)
-        if not isinstance(self.redraw_features, bool):
-            raise TypeError(f"performer: redraw_features must be a bool, got {self.redraw_features!r}")
         if "features" in options:
             raise ValueError("performer: MultiheadAttention owns its features; do not pass 'features'")
         super().__init__(method, num_heads, head_dim, options)
-        o = method.make_options(**options)
+        self.redraw_features = self.module.redraw_features
+        o = method.make_options(**self.options)
         w = random_projection(o.num_features, head_dim, orthogonal=o.orthogonal, generator=o.generator)
         self.register_buffer("features", w.to(device=device, dtype=torch.float32))
 

@@ -25,11 +25,12 @@ mode it is deterministic.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from ..checks import check_int
+from ..checks import check_bool, check_choice, check_int
 from ..ops._masks import compute_dtype, compute_precision
 from ..ops.sinkhorn.blocks import _pad_to, block_layout, block_means, block_prefix_means, padded_keep
 from ..ops.sinkhorn.lra import lra_sinkhorn_attention, strided_block_sums
@@ -120,40 +121,51 @@ class LRASortNet(nn.Module):
 _OP_ONLY = ("sinkhorn_iters", "tau", "top_blocks", "sortcut_blocks")
 
 
+@dataclass
+class SinkhornModuleOptions:
+    """The sort network: ``sort_net`` (``"attention"``: the block-sum keys sort themselves, no
+    parameters; ``"mlp"``: a learned per-head network of width ``sort_hidden``, None: the head
+    dim), ``max_blocks`` (the most blocks it sorts), ``mixture`` (mix the sorted and unsorted
+    outputs), ``lra_compat`` (the LRA reference computation)."""
+
+    sort_net: str = "attention"
+    max_blocks: int = 64
+    sort_hidden: int | None = None
+    mixture: bool = False
+    lra_compat: bool = False
+
+    def __post_init__(self):
+        check_choice("sinkhorn", "sort_net", self.sort_net, ("attention", "mlp"))
+        check_int("sinkhorn", "max_blocks", self.max_blocks, minimum=1)
+        if self.sort_hidden is not None:
+            check_int("sinkhorn", "sort_hidden", self.sort_hidden, minimum=1)
+        check_bool("sinkhorn", "mixture", self.mixture)
+        check_bool("sinkhorn", "lra_compat", self.lra_compat)
+
+
 class SinkhornCore(AttentionCore):
     """Sparse Sinkhorn attention with its sort network (see the module docstring)."""
 
-    module_options = ("sort_net", "max_blocks", "sort_hidden", "mixture", "lra_compat")
+    module_options = SinkhornModuleOptions
 
     def __init__(self, method, num_heads, head_dim, options, *, dropout=0.0, device=None, dtype=None):
-        options = dict(options)
         for name in ("sort_logits", "training"):
             if name in options:
                 raise ValueError(
                     f"sinkhorn: MultiheadAttention sets {name!r} itself (from its sort network and "
                     "train/eval mode); do not pass it"
                 )
-        sort_net = options.pop("sort_net", "attention")
-        max_blocks = options.pop("max_blocks", 64)
-        sort_hidden = options.pop("sort_hidden", None)
-        self.mixture = options.pop("mixture", False)
-        self.lra_compat = options.pop("lra_compat", False)
-        for name, value in (("mixture", self.mixture), ("lra_compat", self.lra_compat)):
-            if not isinstance(value, bool):
-                raise TypeError(f"sinkhorn: {name} must be a bool, got {value!r}")
-        if sort_net not in ("attention", "mlp"):
-            raise ValueError(f"sinkhorn: sort_net must be 'attention' or 'mlp', got {sort_net!r}")
-        check_int("sinkhorn", "max_blocks", max_blocks, minimum=1)
-        if sort_hidden is not None:
-            check_int("sinkhorn", "sort_hidden", sort_hidden, minimum=1)
+        super().__init__(method, num_heads, head_dim, options)
+        m = self.module
+        sort_net, max_blocks, sort_hidden = m.sort_net, m.max_blocks, m.sort_hidden
+        self.mixture, self.lra_compat = m.mixture, m.lra_compat
         if self.lra_compat:
-            given = sorted(set(options) & set(_OP_ONLY)) + (["sort_net"] if sort_net != "attention" else [])
+            given = sorted(set(self.options) & set(_OP_ONLY)) + (["sort_net"] if sort_net != "attention" else [])
             if given:
                 raise ValueError(
                     f"sinkhorn: lra_compat=True reproduces the LRA reference computation, which has no "
                     f"{given}; pass only block_size (and max_blocks)"
                 )
-        super().__init__(method, num_heads, head_dim, options)
         self.sort_net_kind = sort_net
         self.sort_net = None
         if self.lra_compat:

@@ -96,13 +96,34 @@ def sinusoidal_positions(length: int, dim: int) -> Tensor:
     return out.float()
 
 
+class ShortConv(nn.Module):
+    """A causal depthwise convolution of width ``k`` along the sequence: ``out_t = b + sum_{j < k}
+    w_j * x_{t-j}`` per channel, so each token sees the few tokens just before it (the short
+    filter of Zoology's BaseConv, Arora et al. 2023, and H3's shift SSM). Padded positions are
+    zeroed first. ``forward(x (B, N, C), key_padding_mask (B, N) | None)``."""
+
+    def __init__(self, dim: int, kernel_size: int, device=None, dtype=None):
+        super().__init__()
+        self.conv = nn.Conv1d(dim, dim, kernel_size, groups=dim, padding=kernel_size - 1, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        if key_padding_mask is not None:
+            x = x.masked_fill(key_padding_mask[..., None], 0.0)
+        return self.conv(x.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)
+
+
 class EncoderBlock(nn.Module):
     """Pre-LN block: ``x + Dropout(mixer(LN(x), mask))`` then ``x + FFN(LN(x))`` with
-    ``FFN = Linear(dim, ffn_dim), GELU, Dropout, Linear(ffn_dim, dim), Dropout``."""
+    ``FFN = Linear(dim, ffn_dim), GELU, Dropout, Linear(ffn_dim, dim), Dropout``; with
+    ``conv_kernel_size > 0``, first ``x + ShortConv(LN(x))``."""
 
-    def __init__(self, mixer: nn.Module, dim: int, ffn_dim: int, dropout: float, device=None, dtype=None):
+    def __init__(self, mixer: nn.Module, dim: int, ffn_dim: int, dropout: float, device=None, dtype=None,
+                 conv_kernel_size: int = 0):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
+        if conv_kernel_size:
+            self.norm0 = nn.LayerNorm(dim, **factory)
+            self.conv = ShortConv(dim, conv_kernel_size, **factory)
         self.norm1 = nn.LayerNorm(dim, **factory)
         self.mixer = mixer
         self.dropout1 = nn.Dropout(dropout)
@@ -116,6 +137,8 @@ class EncoderBlock(nn.Module):
         )
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        if hasattr(self, "conv"):
+            x = x + self.conv(self.norm0(x), key_padding_mask)
         x = x + self.dropout1(self.mixer(self.norm1(x), key_padding_mask=key_padding_mask))
         return x + self.ffn(self.norm2(x))
 
@@ -146,6 +169,8 @@ class Encoder(nn.Module):
             (``softmax`` only).
         head_hidden: classifier ``Linear(dim, head_hidden), ReLU, Linear(head_hidden, classes)``;
             0 for a single ``Linear(dim, classes)``.
+        conv_kernel_size: 0 (default), or the width of a :class:`ShortConv` before each block's
+            mixer (Zoology's MQAR models have one).
         pooling: ``"mean"`` over real tokens, or ``"cls"``: a learned token (initialised to zeros)
             is put before the sequence, before the positions are added (the table then has
             ``max_len + 1`` rows), and its final state is the summary, as in the LRA code
@@ -160,14 +185,15 @@ class Encoder(nn.Module):
     def __init__(self, vocab_size: int, num_classes: int, *, method: str = "softmax",
                  method_options: dict[str, Any] | None = None, dim: int = 64, depth: int = 2, heads: int = 2,
                  ffn_dim: int = 128, max_len: int = 2048, positions: str = "learned", dropout: float = 0.1,
-                 attention_dropout: float = 0.0, head_hidden: int = 128, pooling: str = "mean", device=None,
-                 dtype=None):
+                 attention_dropout: float = 0.0, head_hidden: int = 128, pooling: str = "mean",
+                 conv_kernel_size: int = 0, device=None, dtype=None):
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("num_classes", num_classes), ("dim", dim),
                             ("depth", depth), ("heads", heads), ("ffn_dim", ffn_dim), ("max_len", max_len)):
             _positive_int(name, value)
-        if isinstance(head_hidden, bool) or not isinstance(head_hidden, int) or head_hidden < 0:
-            raise ValueError(f"head_hidden must be a non-negative int, got {head_hidden!r}")
+        for name, value in (("head_hidden", head_hidden), ("conv_kernel_size", conv_kernel_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         if dim % heads:
             raise ValueError(f"dim ({dim}) must be divisible by heads ({heads})")
         if positions not in POSITIONS:
@@ -199,7 +225,8 @@ class Encoder(nn.Module):
         self.embed_dropout = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(
             EncoderBlock(build_mixer(method, dim, heads, attention_dropout=attention_dropout, **factory,
-                                     **self.method_options), dim, ffn_dim, dropout, **factory)
+                                     **self.method_options), dim, ffn_dim, dropout, **factory,
+                         conv_kernel_size=conv_kernel_size)
             for _ in range(depth)
         )
         self.norm = nn.LayerNorm(dim, **factory)

@@ -203,6 +203,8 @@ def _add_model_arguments(g) -> None:
     g.add_argument("--positions", choices=("learned", "sinusoidal"))
     g.add_argument("--pooling", choices=("mean", "cls", "none"), help="summary of the sequence: mean of real "
                    "tokens, or a learned first token (LRA's CLS); none for a task with labels per position")
+    g.add_argument("--conv-kernel-size", type=int, help="a causal depthwise conv of this width before each mixer "
+                   "(0: none)")
     g.add_argument("--dropout", type=float)
     g.add_argument("--attn-dropout", type=float, help="dropout on attention weights (softmax only)")
     g.add_argument("--head-hidden", type=int, help="classifier hidden width (0: one linear layer)")
@@ -257,6 +259,7 @@ def config_from_args(args: argparse.Namespace):
     overrides = {
         "layers": args.layers, "dim": args.dim, "heads": args.heads, "ffn_dim": args.ffn_dim,
         "positions": args.positions, "pooling": args.pooling, "dropout": args.dropout,
+        "conv_kernel_size": args.conv_kernel_size,
         "attention_dropout": args.attn_dropout,
         "head_hidden": args.head_hidden, "batch_size": args.batch_size, "lr": args.lr,
         "warmup_steps": args.warmup_steps, "schedule": args.schedule, "steps": args.steps,

@@ -39,10 +39,13 @@ PRESETS: dict[str, dict[str, Any]] = {
                 attention_dropout=0.1, head_hidden=2048, pooling="cls", batch_size=32, lr=0.05, warmup_steps=1000,
                 schedule="rsqrt", steps=5000, weight_decay=0.1, betas=(0.9, 0.98), eps=1e-9, pad_to=2000,
                 eval_every=50),
-    # MQAR (Zoology, Arora et al. 2023): their 2-layer models with a linear head over the vocabulary
-    # on every position, AdamW with a short warm-up and linear decay; sized for a few CPU minutes.
+    # MQAR (Zoology, Arora et al. 2023): their 2-layer models, with a width-3 short convolution before
+    # each mixer (without it, the 2-layer model here stayed on the 1/P plateau for 1500 steps at 64 tokens,
+    # 4 pairs; with it, 97.7 % at step 300) and a linear head over the vocabulary on every position; AdamW with
+    # a short warm-up and linear decay; sized for minutes on a CPU.
     "mqar": dict(task="mqar", layers=2, dim=64, heads=2, ffn_dim=128, positions="learned", dropout=0.0,
-                 attention_dropout=0.0, head_hidden=0, pooling="none", batch_size=64, lr=1e-3, warmup_steps=100,
+                 attention_dropout=0.0, head_hidden=0, pooling="none", conv_kernel_size=3, batch_size=64, lr=1e-3,
+                 warmup_steps=100,
                  schedule="linear", steps=2000, weight_decay=0.1, betas=(0.9, 0.98), eps=1e-8, pad_to=1024,
                  eval_every=250),
 }
@@ -50,12 +53,12 @@ SCHEDULES = ("linear", "rsqrt", "constant")
 
 # Fields that determine the training trajectory: a resumed run must agree on all of them.
 TRAJECTORY_FIELDS = ("task", "task_options", "method", "method_options", "layers", "dim", "heads", "ffn_dim",
-                     "positions", "pooling",
+                     "positions", "pooling", "conv_kernel_size",
                      "dropout", "attention_dropout", "head_hidden", "batch_size", "lr", "warmup_steps",
                      "schedule", "steps", "weight_decay", "betas", "eps", "grad_clip", "pad_to", "seed",
                      "amp", "dtype", "batching", "bucket_pool")
 # Values of trajectory fields that checkpoints written before the field existed were run with.
-LEGACY_FIELDS = {"batching": "pad", "bucket_pool": 64, "pooling": "mean", "task_options": {}}
+LEGACY_FIELDS = {"batching": "pad", "bucket_pool": 64, "pooling": "mean", "task_options": {}, "conv_kernel_size": 0}
 
 
 @dataclass
@@ -102,6 +105,7 @@ class TrainConfig:
     attention_dropout: float = 0.1
     head_hidden: int = 128
     pooling: str = "mean"
+    conv_kernel_size: int = 0
     batch_size: int = 32
     lr: float = 1e-4
     warmup_steps: int = 1000
@@ -156,7 +160,7 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name in ("warmup_steps", "seed", "head_hidden"):
+        for name in ("warmup_steps", "seed", "head_hidden", "conv_kernel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")

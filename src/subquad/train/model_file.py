@@ -37,7 +37,8 @@ def build_model(cfg: TrainConfig, device: torch.device | str = "cpu") -> tuple[E
                     method_options=cfg.method_options, dim=cfg.dim, depth=cfg.layers, heads=cfg.heads,
                     ffn_dim=cfg.ffn_dim, max_len=cfg.pad_to,
                     positions=cfg.positions, dropout=cfg.dropout, attention_dropout=attn_dropout,
-                    head_hidden=cfg.head_hidden, pooling=cfg.pooling, device=device, dtype=dtype)
+                    head_hidden=cfg.head_hidden, pooling=cfg.pooling, conv_kernel_size=cfg.conv_kernel_size,
+                    device=device, dtype=dtype)
     return model, attn_dropout
 
 
