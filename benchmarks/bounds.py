@@ -9,9 +9,9 @@ registry defaults. Every round times, in one process: the machine's roofs (a 204
 batched ``(8, N, 64) @ (8, 64, 64)`` product, the shape most linear-cost methods' products have;
 a copy of 256 MiB into a preallocated tensor), exact attention (``scaled_dot_product_attention``)
 and every method. A time is the median over rounds of ``torch.utils.benchmark`` medians
-(``subquad.bench.timing.median_time``); a speed-up is the median of the per-round ratios.
+(``subquad.compare.timing.median_time``); a speed-up is the median of the per-round ratios.
 
-Work is the matrix-multiply FLOPs of each method's registry formula (``subquad.bench.flops``; exact
+Work is the matrix-multiply FLOPs of each method's registry formula (``subquad.compare.flops``; exact
 attention: ``4 N^2 D`` per head). Bytes are the compulsory traffic: reading q, k, v and writing the
 output once. A speed-up ``S`` over exact attention needs the method to run its FLOPs at
 ``S * F / T_exact`` FLOP/s; where that exceeds both product rates, ``S`` is out of reach at this method's
@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 import subquad
-from subquad.bench.flops import forward_flops
-from subquad.bench.timing import median_time
+from subquad.compare.flops import forward_flops
+from subquad.compare.timing import median_time
 
 
 def methods() -> list[str]:

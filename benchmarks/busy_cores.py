@@ -8,7 +8,7 @@ registry defaults (as ``benchmarks/results/speed.md``). The neighbour is a separ
 spins on the CPU (a pure-Python loop: what a data loader or a second job does to a core); it is
 started for the busy half of every round and stopped for the quiet half, so quiet and busy
 alternate. A time is the median over rounds of ``torch.utils.benchmark`` medians
-(``subquad.bench.timing.median_time``).
+(``subquad.compare.timing.median_time``).
 
 Columns: quiet and busy milliseconds, busy / quiet (how much the neighbour slows the method),
 that slow-down relative to SDPA's, and the speed-up over SDPA when busy.
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import subquad
-from subquad.bench.timing import median_time
+from subquad.compare.timing import median_time
 
 
 def _spin(stop) -> None:

@@ -42,7 +42,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 import subquad  # noqa: E402
-from subquad.bench.timing import median_time  # noqa: E402
+from subquad.compare.timing import median_time  # noqa: E402
 
 B, H, D = 1, 8, 64
 

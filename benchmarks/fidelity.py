@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 import subquad
-from subquad.bench.fidelity import exact_reference, relative_error
+from subquad.compare.fidelity import exact_reference, relative_error
 
 FAMILIES = ("gaussian", "clustered", "clustered-local")
 BUDGETS = (16, 32, 64, 128)

@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 import subquad
-from subquad.bench.fidelity import relative_error
-from subquad.bench.timing import median_time
+from subquad.compare.fidelity import relative_error
+from subquad.compare.timing import median_time
 from subquad.layers import Hamburger
 from subquad.ops import decomposition as dec
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from subquad.bench.common import md_table, source_state
+from subquad.compare.common import md_table, source_state
 from subquad.ops.hybrid import hybrid_attention
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,6 +14,7 @@ error of each path and the largest difference between the two over the layers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -22,22 +23,16 @@ from pathlib import Path
 import torch
 
 import subquad.ops.hybrid as hybrid
-from subquad.bench import smollm
-from subquad.bench.fidelity import exact_reference
+from subquad.compare import smollm
+from subquad.compare.fidelity import exact_reference
 
 
 CACHE_DIR = smollm.CACHE_DIR
 
 
 def _output(q, k, v, causal: bool, scale: float, torch_path: bool) -> torch.Tensor:
-    kernel = hybrid._kernel
-    if torch_path:
-        hybrid._kernel = lambda: None
-    try:
-        with torch.no_grad():
-            return hybrid.hybrid_attention(q, k, v, causal=causal, scale=scale).double()
-    finally:
-        hybrid._kernel = kernel
+    with torch.no_grad(), (hybrid.torch_path() if torch_path else contextlib.nullcontext()):
+        return hybrid.hybrid_attention(q, k, v, causal=causal, scale=scale).double()
 
 
 def _rows(name: str, layers: list[tuple]) -> dict:
@@ -58,7 +53,8 @@ def _rows(name: str, layers: list[tuple]) -> dict:
 def minilm_layers() -> list[tuple]:
     sys.path.insert(0, str(Path(__file__).parent))
     from real_fidelity import stdlib_text
-    from subquad.bench.minilm import capture_qkv, load_minilm
+    from subquad.compare.minilm import capture_qkv
+    from subquad.pretrained import load_minilm
 
     tokenizer, model = load_minilm()
     cap = capture_qkv(stdlib_text(tokenizer)[0], tokenizer, model)

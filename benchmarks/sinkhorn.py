@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 import subquad
-from subquad.bench.timing import median_time
+from subquad.compare.timing import median_time
 
 DIM, HEADS, BLOCK, ITERS, TAU = 512, 8, 64, 7, 0.75
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 import subquad
-from subquad.bench.common import md_table, source_state
+from subquad.compare.common import md_table, source_state
 
 ROOT = Path(__file__).resolve().parents[1]
 

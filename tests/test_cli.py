@@ -8,8 +8,8 @@ import torch
 import subquad
 from conftest import run_cli
 from subquad import cli, cli_base
-from subquad.bench import compare
-from subquad.bench.compare import Config
+from subquad.compare import compare
+from subquad.compare.compare import Config
 
 FAST = ["--min-run-time", "0.001", "--quiet"]
 
@@ -218,7 +218,7 @@ def test_a_failing_method_is_reported_and_the_run_goes_on(monkeypatch):
     assert rows["linear"]["status"] == "failed"
     assert "linear broke" in rows["linear"]["errors"]["forward"]
     assert rows["efficient"]["status"] == "ok" and rows["softmax"]["status"] == "ok"
-    from subquad.bench.report import leaderboard_text, markdown
+    from subquad.compare.report import leaderboard_text, markdown
 
     assert "linear broke" in leaderboard_text(res)
     assert "FAILED" in markdown(res, [])

@@ -31,10 +31,10 @@ RANK = {
     "models": 4,
     "tasks": 4,
     "train": 5,
-    "bench": 5,
+    "pretrained": 4,  # loaders of the pretrained models (compare and hf use them)
+    "compare": 5,
     "hf": 6,
     "cli": 7,
-    "compare_cli": 7,
     "methods_cli": 7,
     "__main__": 8,
 }

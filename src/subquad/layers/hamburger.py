@@ -383,5 +383,5 @@ register_mixer(
     key_padding=True,
     stochastic=True,
     learned_parameters=True,
-    peer="subquad.bench.peers:HAMBURGER_PYTORCH",
+    peer="subquad.compare.peers:HAMBURGER_PYTORCH",
 )

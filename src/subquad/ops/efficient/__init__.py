@@ -24,7 +24,7 @@ class EfficientOptions:
 
 
 def flops(B, H, N, M, D, Dv, o):
-    """Matmul FLOPs of one forward (:mod:`subquad.bench.flops`): softmax(k)^T v, then
+    """Matmul FLOPs of one forward (:mod:`subquad.compare.flops`): softmax(k)^T v, then
     softmax(q) times that."""
     return 2 * B * H * (M * D * Dv + N * D * Dv)
 

@@ -59,6 +59,7 @@ the two tested equal; FLOPs: ``flops.py``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -72,7 +73,7 @@ from .index import numpy_path
 from .flops import flops
 from .options import HybridOptions, HybridPlan, plan
 
-__all__ = ["HybridOptions", "HybridPlan", "hybrid_attention", "plan", "flops"]
+__all__ = ["HybridOptions", "HybridPlan", "hybrid_attention", "plan", "flops", "torch_path"]
 
 
 @register_method(
@@ -144,10 +145,25 @@ def _approximate(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, causal: 
     p = plan(o, Mv, causal)
     lo = window_starts(N, M, valid, p.window, causal)
     tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    kernel = None if tracked or not numpy_path(q.detach()) else _kernel()
+    kernel = None if tracked or not _KERNEL_ON[0] or not numpy_path(q.detach()) else _kernel()
     if kernel is None:
         return hybrid_core(q, k, v, lo, causal, scale, p)
     return kernel.hybrid_kernel(q, k, v, lo, scale, p)
+
+
+_KERNEL_ON = [True]  # False inside torch_path()
+
+
+@contextlib.contextmanager
+def torch_path():
+    """Within this context hybrid runs its torch path on the CPU too, as on other devices (the
+    compiled kernel is off): to profile the path's stages or compare the two. Not thread-safe."""
+    before = _KERNEL_ON[0]
+    _KERNEL_ON[0] = False
+    try:
+        yield
+    finally:
+        _KERNEL_ON[0] = before
 
 
 @functools.cache

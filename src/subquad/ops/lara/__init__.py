@@ -208,7 +208,7 @@ class LaraOptions:
 
 
 def flops(B, H, N, M, D, Dv, o):
-    """Matmul FLOPs of one forward (:mod:`subquad.bench.flops`)."""
+    """Matmul FLOPs of one forward (:mod:`subquad.compare.flops`)."""
     if o.get("q_landmarks") is not None:
         c = o["q_landmarks"].shape[2]
     else:

@@ -97,7 +97,7 @@ class LinearOptions:
 
 
 def flops(B, H, N, M, D, Dv, o):
-    """Matmul FLOPs of one non-causal forward (:mod:`subquad.bench.flops`): phi(k)^T v,
+    """Matmul FLOPs of one non-causal forward (:mod:`subquad.compare.flops`): phi(k)^T v,
     phi(q) (phi(k)^T v), and the normaliser phi(q) . sum phi(k)."""
     return 2 * B * H * (M * D * Dv + N * D * Dv + N * D)
 

@@ -110,7 +110,7 @@ class NystromOptions:
 
 
 def flops(B, H, N, M, D, Dv, o):
-    """Matmul FLOPs of one forward (:mod:`subquad.bench.flops`)."""
+    """Matmul FLOPs of one forward (:mod:`subquad.compare.flops`)."""
     m = o["num_landmarks"]
     if m >= min(N, M):  # the op runs exact attention there
         return softmax_flops(B, H, N, M, D, Dv, o)
@@ -126,7 +126,7 @@ def flops(B, H, N, M, D, Dv, o):
                  summary="Nyström landmarks with iterative pseudo-inverse (Xiong et al. 2021)",
                  causal=False, cross_attention=True, complexity="linear",
                  core="subquad.layers.nystrom:NystromCore", flops=flops,
-                 peer="subquad.bench.peers:NYSTROM_ATTENTION",
+                 peer="subquad.compare.peers:NYSTROM_ATTENTION",
                  # few landmarks, so the Nystrom path (not the exact fallback for m >= N) runs at N >= 5
                  test_options={"num_landmarks": 4})
 def nystrom_attention(q, k, v, key_padding_mask, causal, scale, *, num_landmarks, pinv_iterations, pinv_init):

@@ -166,7 +166,7 @@ class PerformerOptions:
 
 
 def flops(B, H, N, M, D, Dv, o):
-    """Matmul FLOPs of one non-causal forward (:mod:`subquad.bench.flops`): the projections
+    """Matmul FLOPs of one non-causal forward (:mod:`subquad.compare.flops`): the projections
     w.x of queries and keys, then phi(k)^T [v, 1] and phi(q) (phi(k)^T [v, 1])."""
     m = o["num_features"] if o.get("features") is None else o["features"].shape[0]
     return 2 * B * H * (N + M) * m * (D + Dv + 1)
@@ -197,7 +197,7 @@ def _kernel_features(o: PerformerOptions):
                  summary="FAVOR+ positive orthogonal random features (Choromanski et al. 2021)",
                  causal=True, cross_attention=True, complexity="linear", stochastic=True,
                  core="subquad.layers.performer:PerformerCore", flops=flops,
-                 peer="subquad.bench.peers:PERFORMER_PYTORCH",
+                 peer="subquad.compare.peers:PERFORMER_PYTORCH",
                  # a modest feature count; small chunks so causal tests cross several chunk boundaries
                  test_options={"num_features": 64, "chunk_size": 4}, query_local=True, fixed_draw=_fixed_draw,
                  kernel_features=_kernel_features)

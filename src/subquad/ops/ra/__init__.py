@@ -141,7 +141,7 @@ class RaOptions:
 
 
 def flops(B, H, N, M, D, Dv, o):
-    """Matmul FLOPs of one forward (:mod:`subquad.bench.flops`)."""
+    """Matmul FLOPs of one forward (:mod:`subquad.compare.flops`)."""
     if o["estimator"] == "mixture_mean":
         # mixture mean softmax(q k^T) k, then f at that point (the extra 1 carries -|k|^2/2)
         return 2 * B * H * N * M * (2 * D) + 2 * B * H * N * M * (D + 1 + Dv)

@@ -123,7 +123,7 @@ def _check_sort_logits(r: Tensor, batch: int, heads: int, num_blocks: int, n: in
 
 
 def flops(B, H, N, M, D, Dv, o):
-    """Matmul FLOPs of one non-causal forward (:mod:`subquad.bench.flops`)."""
+    """Matmul FLOPs of one non-causal forward (:mod:`subquad.compare.flops`)."""
     b = min(o["block_size"], N)
     nb = -(-N // b)
     t = o["top_blocks"]
@@ -154,7 +154,7 @@ def _whole_blocks(o: SinkhornOptions) -> int:
                  "2020); the op takes sort logits, the module's sort network (sort_net='mlp') is learned",
                  causal=True, cross_attention=False, complexity="linear", stochastic=True, learned_parameters=False,
                  core="subquad.layers.sinkhorn:SinkhornCore", flops=flops,
-                 peer="subquad.bench.peers:SINKHORN_TRANSFORMER",
+                 peer="subquad.compare.peers:SINKHORN_TRANSFORMER",
                  # small blocks, so the tiny test lengths hold several blocks and the sorting runs
                  test_options={"block_size": 4},
                  sampling_options={"training": True},  # Gumbel noise

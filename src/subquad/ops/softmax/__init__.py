@@ -47,7 +47,7 @@ def attention_bias(
 
 
 def flops(B, H, N, M, D, Dv, o):
-    """Matmul FLOPs of one forward (:mod:`subquad.bench.flops`): scores q k^T and weights @ v."""
+    """Matmul FLOPs of one forward (:mod:`subquad.compare.flops`): scores q k^T and weights @ v."""
     return 2 * B * H * N * M * (D + Dv)
 
 

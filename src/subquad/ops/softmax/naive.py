@@ -2,7 +2,7 @@
 
 This is the one exact reference of the test suite: every approximate method's tests measure
 against it (in float64 inputs). The benchmarks' blocked float64 reference,
-:func:`subquad.bench.fidelity.exact_reference`, is tested against it.
+:func:`subquad.compare.fidelity.exact_reference`, is tested against it.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ import pytest
 
 import subquad
 from subquad import cli
-from subquad.bench import peers
-from subquad.bench.compare import Config
+from subquad.compare import peers
+from subquad.compare.compare import Config
 
 ALL = [m.name for m in subquad.list_methods()]
 

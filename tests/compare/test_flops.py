@@ -1,4 +1,4 @@
-"""FLOP formulas of subquad.bench.flops against torch.utils.flop_counter on small shapes."""
+"""FLOP formulas of subquad.compare.flops against torch.utils.flop_counter on small shapes."""
 
 import math
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import subquad
-from subquad.bench.flops import counted_flops, forward_flops, matmul_rate
-from subquad.bench.workload import full_options
+from subquad.compare.flops import counted_flops, forward_flops, matmul_rate
+from subquad.compare.workload import full_options
 
 # option sets that take each method down its other code paths (defaults first)
 VARIANTS = {

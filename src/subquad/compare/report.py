@@ -3,8 +3,8 @@
 One results document per run (``kind``: ``"compare"``, ``"minilm"``, ``"smollm"`` or ``"peers"``); the same
 document makes the console table, the markdown report and the plots. This module renders the
 ``"compare"`` kind and writes the files of any kind through that kind's
-:class:`~subquad.bench.common.Renderer` (each result module has its ``RENDERER``); it imports none
-of the result modules. The number formats and tables live in :mod:`subquad.bench.common`.
+:class:`~subquad.compare.common.Renderer` (each result module has its ``RENDERER``); it imports none
+of the result modules. The number formats and tables live in :mod:`subquad.compare.common`.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def _columns_explained(res: dict[str, Any]) -> list[str]:
         "## Columns",
         "",
         f"- **forward ms**, **fwd+bwd ms**: median over at least {MIN_RUNS} timed blocks of calls "
-        f"(`subquad.bench.timing`: at least {c['min_run_time']:g} s, after one untimed call, "
+        f"(`subquad.compare.timing`: at least {c['min_run_time']:g} s, after one untimed call, "
         f"{res['machine']['threads']} threads; each block's spread is in results.json); fwd+bwd computes the "
         "gradients of q, k, v for a fixed random output gradient. **vs exact**: exact attention's time "
         "divided by the method's, both from this run (quote these ratios; absolute times drift on a "
@@ -204,7 +204,7 @@ def _columns_explained(res: dict[str, Any]) -> list[str]:
         f"- **{_columns(res, markdown=True)[7]}**: `|out - exact|_F / |exact|_F` over the whole output, against "
         f"exact softmax attention computed in float64 {_error_where(res)}; stochastic methods use one seeded "
         "draw.",
-        "- **GFLOP/s**: the forward's matmul FLOPs (formulas in `subquad.bench.flops`, checked against "
+        "- **GFLOP/s**: the forward's matmul FLOPs (formulas in `subquad.compare.flops`, checked against "
         "`torch.utils.flop_counter` in the tests; softmaxes and other elementwise work are not counted) "
         "over its time, and that as a share of this machine's matmul rate (the fastest measured block of "
         "a large square matmul, the faster of its measurements at the start and at the end of the run). "

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from subquad import cli
-from subquad.bench import minilm
-from subquad.bench.compare import Config
+from subquad.compare import minilm
+from subquad.compare.compare import Config
 
 SHORT = "The ferry leaves twice a day. The island has one road, one shop and a school with eleven pupils."
 

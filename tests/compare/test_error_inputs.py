@@ -8,10 +8,10 @@ import pytest
 import subquad
 from conftest import run_cli
 from subquad import cli
-from subquad.bench import compare, minilm
-from subquad.bench.common import Config
-from subquad.bench.fidelity import exact_reference, relative_error
-from subquad.bench.workload import forward_call, make_qkv
+from subquad.compare import compare, minilm
+from subquad.compare.common import Config
+from subquad.compare.fidelity import exact_reference, relative_error
+from subquad.compare.workload import forward_call, make_qkv
 
 TINY = ["--n", "16", "24", "--heads", "2", "--dim", "8", "--min-run-time", "0.001", "--no-memory",
         "--no-backward", "--quiet"]
@@ -130,7 +130,7 @@ def test_a_method_that_fails_on_the_capture_has_no_error(monkeypatch):
 
 
 def test_the_error_plot_names_its_inputs(monkeypatch, tmp_path):
-    from subquad.bench import plots
+    from subquad.compare import plots
 
     labels = []
 

@@ -58,7 +58,7 @@ class Config:
     objective: str = "forward"
     source: str = "random"
     # what the error column is measured on: "iid" (the random inputs at each N) or "real" (MiniLM's
-    # captured Q, K, V; subquad.bench.compare.run then needs them measured, its real_errors)
+    # captured Q, K, V; subquad.compare.compare.run then needs them measured, its real_errors)
     error_inputs: str = "iid"
     text: str | None = None
     peers: bool = False
@@ -245,7 +245,7 @@ def renderer_for(res: dict[str, Any]) -> Renderer:
     kind = res.get("kind")
     if kind not in _RENDERERS:
         raise ValueError(f"no renderer for results of kind {kind!r}: import the module that makes them "
-                         f"(subquad.bench.compare, .minilm, .smollm or .peers) or pass its RENDERER; "
+                         f"(subquad.compare.compare, .minilm, .smollm or .peers) or pass its RENDERER; "
                          f"registered kinds are {sorted(_RENDERERS)}")
     return _RENDERERS[kind]
 

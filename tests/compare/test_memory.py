@@ -1,10 +1,10 @@
-"""Peak memory of one point, in this process and in a fresh one (subquad.bench.memory)."""
+"""Peak memory of one point, in this process and in a fresh one (subquad.compare.memory)."""
 
 import json
 
 import torch
 
-from subquad.bench import memory
+from subquad.compare import memory
 
 SPEC = {"method": "linear", "options": {}, "batch": 1, "heads": 2, "n": 2048, "dim": 32, "dtype": "float32",
         "device": "cpu", "seed": 0, "backward": True, "threads": 1}

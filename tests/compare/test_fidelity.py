@@ -1,11 +1,11 @@
-"""The float64 reference, the error measure and the sharpness statistics of subquad.bench.fidelity."""
+"""The float64 reference, the error measure and the sharpness statistics of subquad.compare.fidelity."""
 
 import math
 
 import pytest
 import torch
 
-from subquad.bench.fidelity import attention_sharpness, exact_reference, relative_error
+from subquad.compare.fidelity import attention_sharpness, exact_reference, relative_error
 from subquad.ops.softmax.naive import softmax_attention_reference
 
 

@@ -1,4 +1,4 @@
-"""SmolLM2-135M-Instruct as a long-context workload (``subquad.bench.smollm``).
+"""SmolLM2-135M-Instruct as a long-context workload (``subquad.compare.smollm``).
 
 Every test but the one marked slow runs without the model: a tiny random Llama with the same
 head layout (9 query heads, 3 key/value heads) stands in for it, and a whitespace tokenizer for
@@ -13,9 +13,9 @@ import torch
 from conftest import run_cli
 
 import subquad
-from subquad.bench import smollm
-from subquad.bench.common import Config
-from subquad.bench.fidelity import exact_reference, relative_error
+from subquad.compare import smollm
+from subquad.compare.common import Config
+from subquad.compare.fidelity import exact_reference, relative_error
 
 
 class WordTokenizer:

@@ -10,7 +10,7 @@
     subquad compare --peers                           # against the pip packages of other implementations
 
 :func:`add_parser` registers the command for :func:`subquad.cli.main`; the measuring is
-:mod:`subquad.bench`. A mistake (unknown method or option, bad shape, unwritable ``--out``) is a
+:mod:`subquad.compare`. A mistake (unknown method or option, bad shape, unwritable ``--out``) is a
 usage error: a message on stderr and exit status 2.
 
 The default run times every method on random inputs at each ``--n`` but ranks them by their error
@@ -30,9 +30,9 @@ import torch
 
 import subquad
 
-from .bench.common import exact_method
-from .bench.workload import DTYPES
-from .cli_base import DefaultsFormatter, OptionError, add_option_argument, multi_method_options
+from .common import exact_method
+from .workload import DTYPES
+from ..cli_base import DefaultsFormatter, OptionError, add_option_argument, multi_method_options
 
 __all__ = ["add_parser", "run_compare"]
 
@@ -179,12 +179,13 @@ def _check_device(p: argparse.ArgumentParser, name: str) -> None:
 
 def _check_smollm(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``--source smollm``: its packages, the model file and ``--n`` within the model's context."""
-    from .bench import smollm
+    from ..pretrained import SMOLLM_INSTALL
+    from . import smollm
 
     missing = smollm.missing_packages()
     if missing:
         p.error(f"--source smollm needs {', '.join(missing)}: pip install 'subquad[real]' and "
-                f"{smollm.INSTALL}")
+                f"{SMOLLM_INSTALL}")
     try:
         smollm.find_gguf()
     except FileNotFoundError as e:
@@ -204,7 +205,7 @@ def _source_text(p: argparse.ArgumentParser, args: argparse.Namespace) -> str | 
         _check_smollm(p, args)
     if args.source != "minilm":
         return None
-    from .bench import minilm
+    from . import minilm
 
     missing = minilm.missing_packages()
     if missing:
@@ -232,7 +233,7 @@ def _error_inputs(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
         return fixed
     if asked == "iid":
         return "iid"
-    from .bench import minilm
+    from . import minilm
 
     missing = minilm.missing_packages()
     if not missing:
@@ -249,7 +250,7 @@ def _error_inputs(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
 
 def run_compare(args: argparse.Namespace) -> int:
     """Check the arguments (usage errors exit 2), measure, print, and write ``--out``."""
-    from .bench.compare import Config
+    from .compare import Config
 
     p = args.subparser
     infos = {m.name: m for m in subquad.list_methods()}
@@ -275,7 +276,7 @@ def run_compare(args: argparse.Namespace) -> int:
     )
     results = _measure(config, args, text)
     if args.out is not None:
-        from .bench.report import write_report
+        from .report import write_report
 
         write_report(results, args.out, log=lambda line: print(line, file=sys.stderr))
     return 0
@@ -285,27 +286,27 @@ def _measure(config, args: argparse.Namespace, text: str | None) -> dict[str, An
     """Run the comparison that ``--source`` / ``--peers`` ask for and print its summary."""
     show = not args.quiet
     if args.source == "minilm":
-        from .bench import minilm
+        from . import minilm
 
         results = minilm.run(config, text=text, show_progress=show)
         print(minilm.summary_text(results))
     elif args.source == "smollm":
-        from .bench import smollm
+        from . import smollm
 
         results = smollm.run(config, show_progress=show)
         print(smollm.summary_text(results))
     elif args.peers:
-        from .bench import peers
+        from . import peers
 
         results = peers.run(config, show_progress=show)
         print(peers.summary_text(results))
     else:
-        from .bench import compare
-        from .bench.report import leaderboard_text
+        from . import compare
+        from .report import leaderboard_text
 
         real_errors = None
         if config.error_inputs == "real":  # captured once, before the sweep over --n
-            from .bench import minilm
+            from . import minilm
 
             real_errors = minilm.capture_errors(config, show_progress=show)
         results = compare.run(config, show_progress=show, real_errors=real_errors)

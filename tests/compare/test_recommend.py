@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from subquad.bench.recommend import budget_table, pareto_front, recommend
+from subquad.compare.recommend import budget_table, pareto_front, recommend
 
 
 def row(method, n, t, err, t_train=None):

@@ -52,7 +52,7 @@ class Peer:
     options (defaults filled in); ``settings`` describes them for the report. For a token mixer,
     ``adapter(x, heads) -> (ours, theirs, settings)``: both sides built on ``x`` ``(B, N, C)``.
     A registry entry names its peer by import path (``MethodInfo.peer``, e.g.
-    ``"subquad.bench.peers:NYSTROM_ATTENTION"``).
+    ``"subquad.compare.peers:NYSTROM_ATTENTION"``).
     """
 
     package: str  # pip name

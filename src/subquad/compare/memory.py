@@ -3,7 +3,7 @@
 On CPU every point runs in a fresh Python process, so allocations of earlier points (and
 allocator caches) cannot hide or inflate it::
 
-    python -m subquad.bench.memory '{"method": "nystrom", "n": 4096, "batch": 1, "heads": 8, "dim": 64}'
+    python -m subquad.compare.memory '{"method": "nystrom", "n": 4096, "batch": 1, "heads": 8, "dim": 64}'
 
 prints one JSON line with ``forward_bytes`` and ``forward_backward_bytes``: the rise of the
 resident set's high-water mark over the resident set just before the call, with the inputs
@@ -148,8 +148,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure_in_subprocess(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """:func:`measure` in a fresh ``python -m subquad.bench.memory`` process (CPU)."""
-    cmd = [sys.executable, "-m", "subquad.bench.memory", json.dumps(spec)]
+    """:func:`measure` in a fresh ``python -m subquad.compare.memory`` process (CPU)."""
+    cmd = [sys.executable, "-m", "subquad.compare.memory", json.dumps(spec)]
     failed = {"forward_bytes": None, "forward_backward_bytes": None, "backward_error": None}
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
     try:

@@ -1,10 +1,10 @@
-"""subquad.bench.timing: every point is a median of several timed blocks, and report.py says
+"""subquad.compare.timing: every point is a median of several timed blocks, and report.py says
 when the machine was loaded or a point's blocks spread wide."""
 
 import time
 
-from subquad.bench.report import timing_warnings
-from subquad.bench.timing import MIN_RUNS, median_time
+from subquad.compare.report import timing_warnings
+from subquad.compare.timing import MIN_RUNS, median_time
 
 
 def test_a_slow_call_is_still_timed_min_runs_times():
@@ -49,7 +49,7 @@ def test_a_rate_over_the_roof_is_named():
 
 
 def test_least_memory_says_when_exact_attention_wins():
-    from subquad.bench.report import least_memory_lines
+    from subquad.compare.report import least_memory_lines
 
     rows = [{"n": 1024, "method": "softmax", "forward_bytes": 1 << 20},
             {"n": 1024, "method": "linear", "forward_bytes": 2 << 20},

