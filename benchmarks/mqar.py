@@ -29,7 +29,7 @@ DOC = ROOT / "docs" / "results_mqar.md"
 LENGTHS = (256, 512, 1024)
 PAIRS = (16, 32, 64)  # tested
 TRAIN_PAIRS = (4, 8, 16, 32, 64)  # trained on
-# the protocol: the preset "mqar" (2 layers, dim 64, 2 heads, a width-3 short conv before each
+# the protocol: the preset "mqar" (2 layers, dim 64, 1 head, a width-3 short conv before each
 # mixer) with these overrides; validation at 64 pairs
 PROTOCOL = dict(batch_size=32, lr=1e-3, steps=2000, eval_every=250, log_every=250, checkpoint_every=250)
 TASK = dict(vocab_size=256, eval_size=500, num_pairs=64, train_pairs=TRAIN_PAIRS)
@@ -121,7 +121,7 @@ def report(args: argparse.Namespace) -> None:
         "Multi-query associative recall (Zoology, Arora et al. 2023; `subquad.tasks.mqar`): N tokens start "
         "with P key-value pairs, then every key appears once more and the model must name its value. Test "
         "accuracy over the queries (%, best-validation model; chance 0.8 %) of the 2-layer encoder (dim 64, "
-        "2 heads, a width-3 causal short convolution before each mixer as in Zoology's models) with each "
+        "1 head, a width-3 causal short convolution before each mixer as in Zoology's models) with each "
         f"method at its default options, trained once per N on samples of {'/'.join(map(str, TRAIN_PAIRS))} "
         f"pairs ({PROTOCOL['steps']} steps of batch {PROTOCOL['batch_size']}, lr {PROTOCOL['lr']}, vocabulary "
         f"{TASK['vocab_size']}) and tested at each P on {TASK['eval_size']} samples ({len(runs)} runs, "

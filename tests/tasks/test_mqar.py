@@ -36,7 +36,7 @@ def test_sample_structure(seq_len, num_pairs):
         tokens, labels = make_sample(task, "train", index)
         assert tokens.shape == labels.shape == (seq_len,)
         keys, values = tokens[0:2 * num_pairs:2], tokens[1:2 * num_pairs:2]
-        assert len(set(keys.tolist())) == num_pairs and keys.min() >= 1 and keys.max() < half
+        assert len(set(keys.tolist())) == num_pairs and keys.min() >= 2 and keys.max() < half
         assert len(set(values.tolist())) == num_pairs and values.min() >= half and values.max() < task.vocab_size
         assert tokens.min() >= 1 and tokens.max() < task.vocab_size  # 0 is only padding
         queries = np.flatnonzero(labels != IGNORE)
@@ -46,7 +46,13 @@ def test_sample_structure(seq_len, num_pairs):
         for q in queries:  # every key is asked once, and its label is its value
             assert labels[q] == answer[int(tokens[q])]
         assert sorted(tokens[queries].tolist()) == sorted(keys.tolist())
-
+        others = np.ones(seq_len, dtype=bool)
+        others[:2 * num_pairs] = False
+        others[queries] = False
+        assert (tokens[others] == 1).all()  # the filler
+    tokens, _ = make_sample(MQAR(seq_len=seq_len, num_pairs=num_pairs, vocab_size=300, random_fillers=True),
+                            "train", 0)
+    assert len(set(tokens[2 * num_pairs:].tolist())) > num_pairs + 1  # fillers drawn from the vocabulary
 
 def test_samples_are_deterministic_and_splits_differ():
     task = MQAR(seq_len=64, num_pairs=8)
@@ -85,7 +91,7 @@ def test_batch_pads_and_refuses_to_cut():
 @pytest.mark.parametrize("options,match", [
     (dict(seq_len=60, num_pairs=16), "seq_len must be >= 64"),
     (dict(num_pairs=0), "num_pairs must be >= 1"),
-    (dict(vocab_size=20, num_pairs=16), "vocab_size must be >= 34"),
+    (dict(vocab_size=20, num_pairs=16), "vocab_size must be >= 36"),
     (dict(power_a=0.0), "power_a must be > 0"),
 ])
 def test_option_errors(options, match):

@@ -3,12 +3,14 @@
 is ``zoology/data/associative_recall.py`` in HazyResearch/zoology).
 
 A sample of ``seq_len`` tokens starts with ``num_pairs`` key-value pairs ``k1 v1 k2 v2 ...``
-(distinct keys from ``1 .. vocab_size/2 - 1``, distinct values from ``vocab_size/2 .. vocab_size -
+(distinct keys from ``2 .. vocab_size/2 - 1``, distinct values from ``vocab_size/2 .. vocab_size -
 1``). The rest is the query region, seen as slots of two tokens: every key appears once more, at
 the first token of a slot drawn without replacement with probability proportional to ``a *
 slot^(a - 1)`` (``a = power_a``, 0.01 as in Zoology: most queries come soon after the pairs, some
-far); every other position holds a token drawn uniformly from the whole vocabulary (Zoology's
-``random_non_queries``). The label of a query position is its key's value; all other positions
+far); every other position holds the filler token ``1`` (Zoology's ``random_non_queries=False``),
+or with ``random_fillers=True`` a token drawn uniformly from the whole vocabulary (Zoology's
+default; with a small vocabulary, a key then also appears at random places, followed by a wrong
+token, which makes the task far harder at long N). The label of a query position is its key's value; all other positions
 are :data:`~subquad.tasks.base.IGNORE`. The metric is the accuracy over query positions.
 
 One difference from Zoology, for a bidirectional encoder: Zoology trains a causal language model
@@ -16,7 +18,7 @@ whose target at a query is the next token. Here the label sits on the query toke
 value never appears after it (Zoology's inputs hold no value there either), so causal and
 non-causal methods solve the same problem and no answer is visible in the input. Samples are drawn
 in memory from ``(data_seed, split, index)``: no files, the same sample for every run and process.
-Token ``0`` is padding (only when a batch is padded to a multiple).
+Token ``0`` is padding (only when a batch is padded to a multiple), ``1`` the filler.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..checks import check_float, check_int
+from ..checks import check_bool, check_float, check_int
 from .base import IGNORE, Task, TaskData, register_task
 
 __all__ = ["MQAR", "MQARDataset", "make_sample"]
 
 _SPLIT_CODE = {"train": 0, "val": 1, "test": 2}
+FILLER = 1
 
 
 @register_task
@@ -43,7 +46,8 @@ class MQAR(Task):
     pairs from these instead, as Zoology trains on a mixture of pair counts (the easy ones teach the
     recall circuit sooner); ``train_size`` distinct training samples (Zoology: 100 000),
     ``eval_size`` each for validation and test. Task options: ``-t seq_len=512 -t num_pairs=32``.
-    Preset ``mqar``: 2 layers, dim 64, 2 heads, a linear head at every position."""
+    Preset ``mqar``: 2 layers, dim 64, 1 head, a short convolution before each mixer, a linear
+    head at every position."""
 
     name = "mqar"
     per_token = True
@@ -53,6 +57,7 @@ class MQAR(Task):
     num_pairs: int = 16
     vocab_size: int = 512
     power_a: float = 0.01
+    random_fillers: bool = False
     train_pairs: tuple[int, ...] = ()
     train_size: int = 100_000
     eval_size: int = 1_000
@@ -64,7 +69,8 @@ class MQAR(Task):
         for pairs in self.train_pairs:
             check_int("mqar", "train_pairs", pairs, minimum=1)
         check_int("mqar", "seq_len", self.seq_len, minimum=4 * max((self.num_pairs, *self.train_pairs)))
-        check_int("mqar", "vocab_size", self.vocab_size, minimum=2 * self.num_pairs + 2)
+        check_int("mqar", "vocab_size", self.vocab_size, minimum=2 * max((self.num_pairs, *self.train_pairs)) + 4)
+        check_bool("mqar", "random_fillers", self.random_fillers)
         check_float("mqar", "power_a", self.power_a, minimum=0.0, inclusive=False)
         check_int("mqar", "train_size", self.train_size, minimum=1)
         check_int("mqar", "eval_size", self.eval_size, minimum=1)
@@ -97,9 +103,12 @@ def make_sample(task: MQAR, split: str, index: int) -> tuple[np.ndarray, np.ndar
     p = task.num_pairs
     if split == "train" and task.train_pairs:
         p = task.train_pairs[rng.integers(len(task.train_pairs))]
-    keys = rng.choice(np.arange(1, half), size=p, replace=False)
+    keys = rng.choice(np.arange(2, half), size=p, replace=False)
     values = rng.choice(np.arange(half, task.vocab_size), size=p, replace=False)
-    tokens = rng.integers(1, task.vocab_size, size=task.seq_len)
+    if task.random_fillers:
+        tokens = rng.integers(1, task.vocab_size, size=task.seq_len)
+    else:
+        tokens = np.full(task.seq_len, FILLER, dtype=np.int64)
     labels = np.full(task.seq_len, IGNORE, dtype=np.int64)
     tokens[0:2 * p:2] = keys
     tokens[1:2 * p:2] = values
