@@ -358,3 +358,41 @@ def test_module_options_are_registry_facts(name):
         first = next(iter(module))
         with pytest.raises((ValueError, TypeError), match=name):
             subquad.MultiheadAttention(16, 2, method=name, **{first: object()})
+
+
+def test_one_call_checks_once(monkeypatch):
+    """``MultiheadAttention(method="hybrid")`` on a short input (where hybrid falls back to exact
+    attention) validates its options and its inputs once per call, and a traceback tells the
+    checked op from its implementation."""
+    import traceback
+
+    from subquad.ops import hybrid
+
+    counts = {"options": 0, "qkv": 0}
+    post_init = hybrid.HybridOptions.__post_init__
+    check_qkv = registry.check_qkv
+
+    def counted_post_init(self):
+        counts["options"] += 1
+        post_init(self)
+
+    def counted_check_qkv(*args, **kwargs):
+        counts["qkv"] += 1
+        return check_qkv(*args, **kwargs)
+
+    mha = subquad.MultiheadAttention(32, 4, method="hybrid", batch_first=True)
+    x = torch.randn(2, 10, 32)
+    monkeypatch.setattr(hybrid.HybridOptions, "__post_init__", counted_post_init)
+    monkeypatch.setattr(registry, "check_qkv", counted_check_qkv)
+    mha(x, x, x)
+    assert counts == {"options": 1, "qkv": 1}
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("inside")
+
+    monkeypatch.setattr(hybrid, "_batch", fail)
+    q = torch.randn(1, 2, 200, 8)
+    with pytest.raises(RuntimeError) as err:
+        hybrid.hybrid_attention(q, q, q)
+    names = [frame.name for frame in traceback.extract_tb(err.value.__traceback__)]
+    assert names.count("hybrid_attention") == 1 and names.count("hybrid_attention_impl") == 1

@@ -167,6 +167,29 @@ def unregister(name: str) -> None:
     del _REGISTRY[name]
 
 
+def _check_call(info: MethodInfo, q: Tensor, k: Tensor, key_padding_mask: Tensor | None, causal: bool,
+                scale: float | None, generator: Any) -> float | None:
+    """What the op checks beyond the shapes: causal, padding and scale against the entry, a
+    generator under torch.compile; returns the checked scale."""
+    name = info.name
+    if not isinstance(causal, bool):
+        raise TypeError(f"{name}: causal must be a bool, got {type(causal).__name__} {causal!r}")
+    if causal:
+        if not info.causal:
+            supported = [m.name for m in _REGISTRY.values() if m.causal]
+            raise NotImplementedError(f"method {name!r} is not causal by construction; causal=True is "
+                                      f"supported by {supported}")
+        if q.shape[2] != k.shape[2]:
+            raise ValueError(f"{name}: causal=True needs equal query and key lengths, got N={q.shape[2]}, "
+                             f"M={k.shape[2]}")
+    if key_padding_mask is not None and not info.key_padding:
+        raise NotImplementedError(f"method {name!r} does not support key_padding_mask")
+    if generator is not None and torch.compiler.is_compiling():
+        raise ValueError(f"{name}: torch.compile cannot trace a torch.Generator; under torch.compile pass "
+                         "generator=None (the op draws from the global RNG: seed it with torch.manual_seed)")
+    return None if scale is None else check_scale(name, scale)
+
+
 def register_method(
     name: str,
     *,
@@ -184,13 +207,15 @@ def register_method(
     kernel_features: Callable[[Any], Callable[..., tuple[Tensor, Tensor]] | None] | None = None,
     learned_init: Callable[..., dict[str, Tensor]] | None = None,
 ) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
-    """Decorator: register ``impl(q, k, v, key_padding_mask, causal, scale, **options)`` under ``name``
+    """Decorator: register ``impl(q, k, v, key_padding_mask, causal, scale, **options)`` (or, when it
+    has a parameter ``options``, ``impl(..., options=<the validated dataclass>)``) under ``name``
     and return the checked public op. ``impl`` gets ``scale=None`` when the caller gave none (methods
     without a logit scale can then refuse an explicit one). Keywords: the fields of :class:`MethodInfo`."""
     _check_new(name, complexity, core=core, peer=peer)
 
     def decorator(impl: Callable[..., Tensor]) -> Callable[..., Tensor]:
         info: MethodInfo | None = None  # set below; the wrapper reads it from its closure
+        whole = "options" in inspect.signature(impl).parameters  # the validated dataclass, not its fields
 
         def op(
             q: Tensor,
@@ -203,37 +228,18 @@ def register_method(
             **opts: Any,
         ) -> Tensor:
             check_qkv(q, k, v, key_padding_mask, name=name, cross_attention=info.cross_attention)
-            if not isinstance(causal, bool):
-                raise TypeError(f"{name}: causal must be a bool, got {type(causal).__name__} {causal!r}")
-            if causal:
-                if not info.causal:
-                    supported = [m.name for m in _REGISTRY.values() if m.causal]
-                    raise NotImplementedError(
-                        f"method {name!r} is not causal by construction; causal=True is "
-                        f"supported by {supported}"
-                    )
-                if q.shape[2] != k.shape[2]:
-                    raise ValueError(
-                        f"{name}: causal=True needs equal query and key lengths, "
-                        f"got N={q.shape[2]}, M={k.shape[2]}"
-                    )
-            if key_padding_mask is not None and not info.key_padding:
-                raise NotImplementedError(f"method {name!r} does not support key_padding_mask")
-            if scale is not None:
-                scale = check_scale(name, scale)
-            if opts.get("generator") is not None and torch.compiler.is_compiling():
-                raise ValueError(
-                    f"{name}: torch.compile cannot trace a torch.Generator; under torch.compile pass "
-                    "generator=None (the op draws from the global RNG: seed it with torch.manual_seed)"
-                )
+            scale = _check_call(info, q, k, key_padding_mask, causal, scale, opts.get("generator"))
             o = info.make_options(**opts)
-            fields = {n: getattr(o, n) for n in info.option_names}
-            return impl(q, k, v, key_padding_mask, causal, scale, **fields)
+            if whole:
+                return impl(q, k, v, key_padding_mask, causal, scale, options=o)
+            return impl(q, k, v, key_padding_mask, causal, scale, **{n: getattr(o, n) for n in info.option_names})
 
         # One code object per method: torch.compile caches compiled graphs per code object, so
         # sharing one wrapper between methods would make a model whose layers use several
         # methods (or options) recompile it until dynamo's recompile limit.
         op.__code__ = op.__code__.replace(co_name=impl.__name__, co_qualname=impl.__qualname__)
+        # the op and its implementation read apart in a traceback
+        impl.__code__ = impl.__code__.replace(co_name=f"{impl.__name__}_impl", co_qualname=f"{impl.__qualname__}_impl")
         functools.update_wrapper(op, impl)
         del op.__wrapped__  # the internal signature is not the public one
         op.__signature__ = _public_signature(name, options)

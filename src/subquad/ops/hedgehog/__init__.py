@@ -132,22 +132,21 @@ def flops(B, H, N, M, D, Dv, o):
                  causal=True, cross_attention=True, complexity="linear", learned_parameters=True, flops=flops,
                  test_options={"chunk_size": 4}, query_local=True, learned_init=learned_init,
                  kernel_features=_kernel_features)
-def hedgehog_attention(q, k, v, key_padding_mask, causal, scale, *, feature_dim, window, sinks, chunk_size, weight,
-                       bias, linear_log_weight):
+def hedgehog_attention(q, k, v, key_padding_mask, causal, scale, *, options: HedgehogOptions):
     """Hedgehog attention.
 
     Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
     ``scale`` (default ``D ** -0.5``) applies to the exact window's logits; the linear term has
     none. ``window > 0`` needs N = M. Runs in float32 (float64 stays)."""
-    o = HedgehogOptions(feature_dim, window, sinks, chunk_size, weight, bias, linear_log_weight)
+    o = options
     dtype = q.dtype
     cdt = compute_dtype(dtype)
     q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
     weight, bias, lw = _learned(o, q)
     phi_q, phi_k = hedgehog_features(q, weight, bias), hedgehog_features(k, weight, bias)
-    out = windowed_kernel_attention(phi_q, phi_k, q, k, v, key_padding_mask, causal, window=window, scale=scale,
-                                    chunk_size=chunk_size, linear_weight=None if lw is None else lw.to(cdt).exp(),
-                                    sinks=sinks)
+    out = windowed_kernel_attention(phi_q, phi_k, q, k, v, key_padding_mask, causal, window=o.window, scale=scale,
+                                    chunk_size=o.chunk_size, linear_weight=None if lw is None else lw.to(cdt).exp(),
+                                    sinks=o.sinks)
     return out.to(dtype)
 
 

@@ -67,7 +67,7 @@ from torch import Tensor
 
 from ...registry import register_method
 from .._masks import compute_dtype, compute_precision
-from ..softmax import softmax_attention
+from ..softmax import sdpa
 from .attend import hybrid_core, window_starts
 from .index import numpy_path
 from .flops import flops
@@ -88,9 +88,7 @@ __all__ = ["HybridOptions", "HybridPlan", "hybrid_attention", "plan", "flops", "
                   "candidates": 4, "beam": 2, "chunk_size": 4},
     fullgraph_with_padding=False,  # padding is removed first: shapes from the mask
 )
-def hybrid_attention(q, k, v, key_padding_mask, causal, scale, *, budget, window, block_size, num_selected,
-                     num_summaries, grouping, scoring, candidates, beam, chunk_size, sinks, tree_iterations,
-                     query_beam):
+def hybrid_attention(q, k, v, key_padding_mask, causal, scale, *, options: HybridOptions):
     """Hybrid attention (see the module docstring).
 
     Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
@@ -99,10 +97,9 @@ def hybrid_attention(q, k, v, key_padding_mask, causal, scale, *, budget, window
     stays float64), also under autocast."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    o = HybridOptions(budget, window, block_size, num_selected, num_summaries, grouping, scoring, candidates, beam,
-                      chunk_size, sinks, tree_iterations, query_beam)
-    if budget >= k.shape[2]:
-        return softmax_attention(q, k, v, key_padding_mask=key_padding_mask, causal=causal, scale=scale)
+    o = options
+    if o.budget >= k.shape[2]:
+        return sdpa(q, k, v, key_padding_mask, causal, scale)
     dtype = compute_dtype(q.dtype)
     with compute_precision(q):
         qc, kc, vc = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -126,7 +123,7 @@ def _batch(q: Tensor, k: Tensor, v: Tensor, padding: Tensor | None, causal: bool
         return q.new_zeros(B, H, N, v.shape[-1])
     if o.budget >= Mv:
         mask = None if padding is None else padding.expand(B, M)
-        return softmax_attention(q, k, v, key_padding_mask=mask, causal=causal, scale=scale)
+        return sdpa(q, k, v, mask, causal, scale)
     if padding is not None:
         keep = (~padding).nonzero().squeeze(-1)
         k, v = k.index_select(2, keep), v.index_select(2, keep)

@@ -20,7 +20,7 @@ from ...registry import register_method
 from .._common import SMALL_WORK, one_thread
 from .._masks import compute_dtype, compute_precision, no_key_rows, padding_bias
 from ..softmax import flops as softmax_flops
-from ..softmax import softmax_attention
+from ..softmax import sdpa
 
 __all__ = ["NystromOptions", "flops", "iterative_pinv", "nystrom_attention", "segment_lengths", "segment_means"]
 
@@ -150,7 +150,7 @@ def nystrom_attention(q, k, v, key_padding_mask, causal, scale, *, num_landmarks
     with compute_precision(q):
         qc, kc, vc = q.to(dtype), k.to(dtype), v.to(dtype)
         if m >= min(n, m_keys):  # exact attention is the cheaper path here
-            return softmax_attention(qc, kc, vc, key_padding_mask=key_padding_mask, scale=scale).to(q.dtype)
+            return sdpa(qc, kc, vc, key_padding_mask, False, scale).to(q.dtype)
         keep_k = None if key_padding_mask is None else ~key_padding_mask
         keep_q = keep_k if n == m_keys else None
         q_land, empty_q = segment_means(qc, m, keep_q)

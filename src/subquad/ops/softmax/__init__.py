@@ -60,6 +60,13 @@ def softmax_attention(q, k, v, key_padding_mask, causal, scale, *, dropout_p):
     Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
     Padded keys get a finite large negative logit; queries that see no real key output 0.
     """
+    return sdpa(q, k, v, key_padding_mask, causal, scale, dropout_p)
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None, causal: bool = False,
+         scale: float | None = None, dropout_p: float = 0.0) -> Tensor:
+    """The softmax op without its checks, for other ops that fall back to exact attention on inputs
+    they have checked already (same conventions)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if key_padding_mask is None:
         return F.scaled_dot_product_attention(
