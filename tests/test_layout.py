@@ -261,3 +261,25 @@ def test_no_branch_on_a_method_name_outside_its_folder():
     found = _name_branches()
     assert found <= NAME_BRANCHES_ALLOWED, sorted(found - NAME_BRANCHES_ALLOWED)
     assert NAME_BRANCHES_ALLOWED <= found, f"no longer needed, remove: {sorted(NAME_BRANCHES_ALLOWED - found)}"
+
+
+def test_benchmarks_use_public_names_only():
+    """A benchmark script imports no private name of subquad and reads no private attribute of what
+    it imported from subquad (a benchmark measures the library as users call it)."""
+    found = []
+    for path in sorted((SRC.parent / "benchmarks").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("subquad"):
+                for alias in node.names:
+                    if alias.name.startswith("_"):
+                        found.append(f"{path.name}:{node.lineno} imports {alias.name}")
+                    imported.add(alias.asname or alias.name)
+            elif isinstance(node, ast.Import):
+                imported |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("subquad")}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in imported
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                found.append(f"{path.name}:{node.lineno} reads {node.value.id}.{node.attr}")
+    assert not found, "benchmarks reaching into private names:\n" + "\n".join(found)
