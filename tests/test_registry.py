@@ -214,7 +214,7 @@ def test_register_bad_complexity_raises():
 
 def test_attention_refuses_a_mixer(scratch_registry):
     registry.register_mixer(
-        "_scratch_mixer", module=torch.nn.Identity, options=_NoOptions, summary="test", complexity="linear"
+        "_scratch_mixer", module="torch.nn:Identity", options=_NoOptions, summary="test", complexity="linear"
     )
     info = subquad.get_method("_scratch_mixer")
     assert info.kind == "mixer" and info.op is None and info.cross_attention is False
@@ -223,7 +223,7 @@ def test_attention_refuses_a_mixer(scratch_registry):
         subquad.attention(q, k, v, method="_scratch_mixer")
     with pytest.raises(ValueError, match="already registered"):
         registry.register_mixer(
-            "_scratch_mixer", module=torch.nn.Identity, options=_NoOptions, summary="", complexity="linear"
+            "_scratch_mixer", module="torch.nn:Identity", options=_NoOptions, summary="", complexity="linear"
         )
 
 

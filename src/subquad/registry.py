@@ -58,7 +58,8 @@ class MethodInfo:
     options: type
     op: Callable[..., Tensor] | None = dataclasses.field(repr=False, compare=False)
     kind: str = "attention"
-    module: type | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: import path of a token mixer's module class (``kind == "mixer"``; see :attr:`module`)
+    module_path: str | None = dataclasses.field(default=None, repr=False, compare=False)
     #: import path of the :class:`subquad.layers.AttentionCore` subclass the module builds for
     #: this method (None: the plain core, which calls ``op`` with the module's options)
     core: str | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -117,6 +118,11 @@ class MethodInfo:
                 out[f.name] = f.default_factory()
         return out
 
+    @property
+    def module(self) -> type | None:
+        """A token mixer's module class, ``module(embed_dim, num_heads, **options)`` (imported now)."""
+        return None if self.module_path is None else resolve_path(self.module_path)
+
     def module_option_defaults(self) -> dict[str, Any]:
         """The options of the method's layer core (``MultiheadAttention``) beyond the op's, and their
         defaults: the fields of its core's ``module_options`` dataclass (checked there)."""
@@ -155,7 +161,7 @@ def _check_new(name: str, complexity: str, **paths: str | None) -> None:
 
 def _add(name: str, complexity: str, **fields: Any) -> MethodInfo:
     """Build the entry and store it under ``name``."""
-    _check_new(name, complexity, core=fields.get("core"), peer=fields.get("peer"))
+    _check_new(name, complexity, core=fields.get("core"), peer=fields.get("peer"), module=fields.get("module_path"))
     info = MethodInfo(name=name, complexity=complexity, **fields)
     _REGISTRY[name] = info
     return info
@@ -280,7 +286,7 @@ def _public_signature(name: str, options: type) -> inspect.Signature:
 def register_mixer(
     name: str,
     *,
-    module: type,
+    module: str,
     options: type,
     summary: str,
     complexity: str,
@@ -291,12 +297,13 @@ def register_mixer(
     peer: str | None = None,
     test_options: TestOptions | None = None,
 ) -> None:
-    """Register a token mixer that is not a q/k/v op: ``module(embed_dim, num_heads, **options)``
-    must build an ``nn.Module`` whose ``forward(x, key_padding_mask=None)`` maps ``(B, N, C)``
+    """Register a token mixer that is not a q/k/v op: ``module`` is the import path
+    (``"package.module:Class"``) of a class whose ``Class(embed_dim, num_heads, **options)`` builds
+    an ``nn.Module`` whose ``forward(x, key_padding_mask=None)`` maps ``(B, N, C)``
     to ``(B, N, C)``. Mixers are self-only (no cross-attention)."""
     _add(name, complexity, summary=summary, causal=causal, key_padding=key_padding, cross_attention=False,
          stochastic=stochastic, learned_parameters=learned_parameters, options=options, op=None,
-         kind="mixer", module=module, peer=peer, test_options=test_options)
+         kind="mixer", module_path=module, peer=peer, test_options=test_options)
 
 
 def resolve_path(path: str) -> Any:

@@ -18,7 +18,6 @@ The first 1x1 conv after the ham is applied to the factors, ``(W bases) coef^T``
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,13 +25,11 @@ from torch import Tensor, nn
 
 from ..ops._masks import compute_precision
 from ..checks import check_bool, check_choice, check_float, check_int
-from ..ops.decomposition import GRAD_MODES, factorize, random_bases
-from ..registry import register_mixer
+from ..ops.decomposition import GRAD_MODES, HAMS, HamburgerOptions, factorize, random_bases
 from .attention import _as_padding_mask
 
 __all__ = ["Hamburger", "HamburgerMixer", "HamburgerOptions", "MatrixDecomposition"]
 
-HAMS = ("nmf", "vq", "cd")
 VERSIONS = ("v1", "v2", "light")
 
 
@@ -265,46 +262,6 @@ class Hamburger(nn.Module):
         return f"channels={self.channels}, ham_channels={self.ham_channels}, version={self.version!r}"
 
 
-@dataclass
-class HamburgerOptions:
-    """Options of the ``"hamburger"`` token mixer (:class:`HamburgerMixer`).
-
-    ham: ``"nmf"`` (default), ``"vq"`` or ``"cd"``.
-    rank: bases per group; None: ``min(64, max(1, (embed_dim / num_heads) // 8))``.
-    train_steps / eval_steps: local steps in training / eval (6 / 7).
-    grad: ``"one_step"`` (default) or ``"bptt"``.
-    inv_t: softmax inverse temperature (None: 1 for NMF, 100 for VQ and CD).
-    beta: ridge weight of CD.
-    rand_init: fresh random bases at every forward (True) or a persistent dictionary.
-    eta: step of the dictionary's online update (``rand_init=False``).
-    """
-
-    ham: str = "nmf"
-    rank: int | None = None
-    train_steps: int = 6
-    eval_steps: int = 7
-    grad: str = "one_step"
-    inv_t: float | None = None
-    beta: float = 0.1
-    rand_init: bool = True
-    eta: float = 0.9
-
-    def __post_init__(self):
-        check_choice("hamburger", "ham", self.ham, HAMS)
-        if self.rank is not None:
-            check_int("hamburger", "rank", self.rank, minimum=1)
-        check_int("hamburger", "train_steps", self.train_steps, minimum=0)
-        check_int("hamburger", "eval_steps", self.eval_steps, minimum=0)
-        check_choice("hamburger", "grad", self.grad, GRAD_MODES)
-        if self.inv_t is not None:
-            check_float("hamburger", "inv_t", self.inv_t, minimum=0.0, inclusive=False)
-        check_float("hamburger", "beta", self.beta, minimum=0.0, inclusive=False)
-        check_bool("hamburger", "rand_init", self.rand_init)
-        check_float("hamburger", "eta", self.eta, minimum=0.0)
-        if self.eta > 1:
-            raise ValueError(f"hamburger: eta must be in [0, 1], got {self.eta}")
-
-
 class HamburgerMixer(nn.Module):
     """Hamburger as a token mixer: ``(B, N, C)`` -> ``(B, N, C)``, mixing all N positions.
 
@@ -370,18 +327,3 @@ class HamburgerMixer(nn.Module):
 
     def extra_repr(self) -> str:
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}"
-
-
-register_mixer(
-    "hamburger",
-    module=HamburgerMixer,
-    options=HamburgerOptions,
-    summary="Hamburger: NMF / soft VQ / concept decomposition over positions, one-step gradient "
-    "(Geng et al. 2021)",
-    complexity="linear",
-    causal=False,
-    key_padding=True,
-    stochastic=True,
-    learned_parameters=True,
-    peer="subquad.compare.peers:HAMBURGER_PYTORCH",
-)

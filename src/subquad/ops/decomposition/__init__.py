@@ -28,15 +28,17 @@ Slow per-matrix references written from the paper's formulas are in :mod:`.naive
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...checks import check_choice, check_float, check_int
+from ...checks import check_bool, check_choice, check_float, check_int
+from ...registry import register_mixer
 from .._masks import compute_dtype, compute_precision
 
-__all__ = ["DEFAULT_RANK", "GRAD_MODES", "cd", "factorize", "nmf", "random_bases", "vq"]
+__all__ = ["DEFAULT_RANK", "GRAD_MODES", "HAMS", "HamburgerOptions", "cd", "factorize", "nmf", "random_bases", "vq"]
 
 GRAD_MODES = ("one_step", "bptt")
 DEFAULT_RANK = 64
@@ -328,3 +330,61 @@ def cd(x: Tensor, rank: int | None = None, *, steps: int = 6, grad: str = "one_s
                         key_padding_mask=key_padding_mask, inv_t=inv_t, beta=beta, eps=eps)
     return _reconstruct(x, factors, return_factors)
 
+
+HAMS = ("nmf", "vq", "cd")
+
+
+@dataclass
+class HamburgerOptions:
+    """Options of the ``"hamburger"`` token mixer (:class:`HamburgerMixer`).
+
+    ham: ``"nmf"`` (default), ``"vq"`` or ``"cd"``.
+    rank: bases per group; None: ``min(64, max(1, (embed_dim / num_heads) // 8))``.
+    train_steps / eval_steps: local steps in training / eval (6 / 7).
+    grad: ``"one_step"`` (default) or ``"bptt"``.
+    inv_t: softmax inverse temperature (None: 1 for NMF, 100 for VQ and CD).
+    beta: ridge weight of CD.
+    rand_init: fresh random bases at every forward (True) or a persistent dictionary.
+    eta: step of the dictionary's online update (``rand_init=False``).
+    """
+
+    ham: str = "nmf"
+    rank: int | None = None
+    train_steps: int = 6
+    eval_steps: int = 7
+    grad: str = "one_step"
+    inv_t: float | None = None
+    beta: float = 0.1
+    rand_init: bool = True
+    eta: float = 0.9
+
+    def __post_init__(self):
+        check_choice("hamburger", "ham", self.ham, HAMS)
+        if self.rank is not None:
+            check_int("hamburger", "rank", self.rank, minimum=1)
+        check_int("hamburger", "train_steps", self.train_steps, minimum=0)
+        check_int("hamburger", "eval_steps", self.eval_steps, minimum=0)
+        check_choice("hamburger", "grad", self.grad, GRAD_MODES)
+        if self.inv_t is not None:
+            check_float("hamburger", "inv_t", self.inv_t, minimum=0.0, inclusive=False)
+        check_float("hamburger", "beta", self.beta, minimum=0.0, inclusive=False)
+        check_bool("hamburger", "rand_init", self.rand_init)
+        check_float("hamburger", "eta", self.eta, minimum=0.0)
+        if self.eta > 1:
+            raise ValueError(f"hamburger: eta must be in [0, 1], got {self.eta}")
+
+
+# the token mixer built from these ops (its module lives with the layers)
+register_mixer(
+    "hamburger",
+    module="subquad.layers.hamburger:HamburgerMixer",
+    options=HamburgerOptions,
+    summary="Hamburger: NMF / soft VQ / concept decomposition over positions, one-step gradient "
+    "(Geng et al. 2021)",
+    complexity="linear",
+    causal=False,
+    key_padding=True,
+    stochastic=True,
+    learned_parameters=True,
+    peer="subquad.compare.peers:HAMBURGER_PYTORCH",
+)
