@@ -336,7 +336,7 @@ def test_cli_bad_method_option(data_dir, tmp_path, capsys):
 def test_cli_bad_numbers(data_dir, tmp_path, capsys):
     assert cli_main(["train", "listops", "--method", "softmax", "--steps", "0", "--data", str(data_dir),
                      "--out", str(tmp_path)]) == 2
-    assert "steps must be a positive int" in capsys.readouterr().err
+    assert "train: steps must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["train", "listops", "--data", str(data_dir)])  # --method is required
     with pytest.raises(SystemExit):
@@ -504,3 +504,21 @@ def test_eval_samples_limits_the_final_test(data_dir, tmp_path):
     train(_config(data_dir, tmp_path / "run", eval_samples=5))
     tests = [r for r in _rows(tmp_path / "run" / "metrics.csv") if r[1] == "test"]
     assert tests and all(int(r[4]) == 5 for r in tests)
+
+
+@pytest.mark.parametrize("field,error,match", [
+    (dict(steps=0), ValueError, "train: steps must be >= 1, got 0"),
+    (dict(layers=True), TypeError, "train: layers must be an int"),
+    (dict(dropout=1.0), ValueError, "train: dropout must be < 1"),
+    (dict(betas=(0.9, 1.2)), ValueError, r"train: betas\[1\] must be < 1"),
+    (dict(betas=(0.9,)), ValueError, "betas must be two numbers"),
+    (dict(lr=0), ValueError, "train: lr must be > 0.0"),
+    (dict(grad_clip=0.0), ValueError, "train: grad_clip must be > 0.0"),
+    (dict(batching="x"), ValueError, r"train: batching must be one of \['bucket', 'pad'\]"),
+    (dict(amp="bf16", dtype="float64"), ValueError, "amp needs dtype='float32'"),
+    (dict(dim=10, heads=3), ValueError, "divisible by heads"),
+    (dict(task="nope"), ValueError, "unknown task 'nope'"),
+])
+def test_config_errors_name_the_field(field, error, match):
+    with pytest.raises(error, match=match):
+        TrainConfig(method="linear", **field).validate()

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checks import check_choice, check_float, check_int
 from ..registry import get_method
 from ..tasks import make_task
 
@@ -149,7 +150,7 @@ class TrainConfig:
         return out
 
     def validate(self) -> None:
-        """ValueError/TypeError naming the first bad field."""
+        """ValueError/TypeError naming the first bad field (the checks of :mod:`subquad.checks`)."""
         if not isinstance(self.task_options, dict):
             raise TypeError(f"task_options must be a dict, got {type(self.task_options).__name__}")
         task = make_task(self.task, self.task_options)  # unknown task or option: ValueError naming the known
@@ -158,39 +159,40 @@ class TrainConfig:
             raise TypeError(f"method_options must be a dict, got {type(self.method_options).__name__}")
         for name in ("layers", "dim", "heads", "ffn_dim", "batch_size", "steps", "pad_to", "eval_every",
                      "checkpoint_every", "log_every", "bucket_pool"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int("train", name, getattr(self, name), minimum=1)
         for name in ("warmup_steps", "seed", "head_hidden", "conv_kernel_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        n = self.eval_samples
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
-            raise ValueError(f"eval_samples must be a positive int or None, got {self.eval_samples!r}")
-        if self.max_minutes is not None and not (isinstance(self.max_minutes, (int, float))
-                                                 and self.max_minutes > 0):
-            raise ValueError(f"max_minutes must be a positive number or None, got {self.max_minutes!r}")
+            check_int("train", name, getattr(self, name), minimum=0)
+        for name in ("eval_samples", "threads"):
+            if getattr(self, name) is not None:
+                check_int("train", name, getattr(self, name), minimum=1)
+        for name in ("max_minutes", "grad_clip"):
+            if getattr(self, name) is not None:
+                check_float("train", name, getattr(self, name), minimum=0.0, inclusive=False)
         if self.init_from is not None and not isinstance(self.init_from, (str, os.PathLike)):
             raise TypeError(f"init_from must be a path or None, got {type(self.init_from).__name__}")
-        if self.threads is not None and (not isinstance(self.threads, int) or self.threads <= 0):
-            raise ValueError(f"threads must be a positive int or None, got {self.threads!r}")
-        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
-            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
-        for name in ("weight_decay",):
-            if not (isinstance(getattr(self, name), (int, float)) and getattr(self, name) >= 0):
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("dropout", "attention_dropout"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and 0 <= v < 1):
-                raise ValueError(f"{name} must be in [0, 1), got {v!r}")
-        clip = self.grad_clip
-        if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
-            raise ValueError(f"grad_clip must be a positive number or None, got {self.grad_clip!r}")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
-        if not self.eps > 0:
-            raise ValueError(f"eps must be > 0, got {self.eps!r}")
+        check_float("train", "lr", self.lr, minimum=0.0, inclusive=False)
+        check_float("train", "eps", self.eps, minimum=0.0, inclusive=False)
+        check_float("train", "weight_decay", self.weight_decay, minimum=0.0)
+        if len(self.betas) != 2:
+            raise ValueError(f"train: betas must be two numbers in [0, 1), got {self.betas!r}")
+        fractions = [("dropout", self.dropout), ("attention_dropout", self.attention_dropout),
+                     ("betas[0]", self.betas[0]), ("betas[1]", self.betas[1])]
+        for name, value in fractions:
+            check_float("train", name, value, minimum=0.0)
+            if value >= 1:
+                raise ValueError(f"train: {name} must be < 1, got {value}")
+        check_choice("train", "batching", self.batching, BATCHINGS)
+        check_choice("train", "schedule", self.schedule, SCHEDULES)
+        check_choice("train", "amp", self.amp, ("none", "bf16"))
+        check_choice("train", "dtype", self.dtype, ("float32", "float64"))
+        if self.amp != "none" and self.dtype != "float32":
+            raise ValueError("train: amp needs dtype='float32'")
+        if self.dim % self.heads:
+            raise ValueError(f"train: dim ({self.dim}) must be divisible by heads ({self.heads})")
+        self._check_task(task)
+
+    def _check_task(self, task) -> None:
+        """The model's pooling fits the task's labels, and its samples fit ``pad_to``."""
         if task.per_token != (self.pooling == "none"):
             want = "'none'" if task.per_token else "'mean' or 'cls'"
             raise ValueError(f"task {self.task!r} has labels per {'position' if task.per_token else 'sequence'}: "
@@ -198,18 +200,6 @@ class TrainConfig:
         if task.max_length is not None and task.max_length > self.pad_to:
             raise ValueError(f"task {self.task!r} has samples of {task.max_length} tokens, longer than pad_to="
                              f"{self.pad_to}")
-        if self.batching not in BATCHINGS:
-            raise ValueError(f"batching must be one of {list(BATCHINGS)}, got {self.batching!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
-        if self.amp not in ("none", "bf16"):
-            raise ValueError(f"amp must be 'none' or 'bf16', got {self.amp!r}")
-        if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
-        if self.amp != "none" and self.dtype != "float32":
-            raise ValueError("amp needs dtype='float32'")
-        if self.dim % self.heads:
-            raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads})")
 
 
 def pad_multiple(cfg: TrainConfig) -> int | None:
