@@ -1,7 +1,7 @@
 """MQAR (multi-query associative recall, Zoology) for every method: train the grid, then report it.
 
     python benchmarks/mqar.py run --max-minutes 120        # resumable: finished runs are skipped
-    python benchmarks/mqar.py report                         # table + plot into docs/results_mqar.md
+    python benchmarks/mqar.py report                         # table + plot into docs/results.md
 
 ``run`` trains each (method, sequence length) of the grid with ``subquad.train`` and the ``mqar``
 preset into ``runs/mqar/<method>/n<L>/``, on samples whose number of pairs is drawn from
@@ -25,7 +25,9 @@ from subquad.train import TrainConfig, evaluate_model, load_model, train
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "runs" / "mqar"
-DOC = ROOT / "docs" / "results_mqar.md"
+DOC = ROOT / "docs" / "results.md"  # its section between the MARKS
+PLOT = ROOT / "docs" / "results_mqar.png"
+MARKS = ("<!-- mqar: written by benchmarks/mqar.py report -->", "<!-- mqar end -->")
 LENGTHS = (256, 512, 1024)
 PAIRS = (16, 32, 64)  # tested
 TRAIN_PAIRS = (4, 8, 16, 32, 64)  # trained on
@@ -112,11 +114,11 @@ def report(args: argparse.Namespace) -> None:
     axes[0].set_ylabel("test accuracy over queries (%)")
     axes[-1].legend(fontsize=7, loc="upper right")
     fig.tight_layout()
-    fig.savefig(DOC.with_suffix(".png"), dpi=110)
+    fig.savefig(PLOT, dpi=110)
     runs = [json.loads(p.read_text()) for p in sorted(RUNS.glob("*/n*/results.json"))
             if (p.parent / "recall.json").is_file()]
     seconds = sum(r["train_seconds"] for r in runs)
-    DOC.write_text(
+    section = (
         "# MQAR: which methods can recall\n\n"
         "Multi-query associative recall (Zoology, Arora et al. 2023; `subquad.tasks.mqar`): N tokens start "
         "with P key-value pairs, then every key appears once more and the model must name its value. Test "
@@ -129,7 +131,11 @@ def report(args: argparse.Namespace) -> None:
         + "\n\n![accuracy against pairs](results_mqar.png)\n\n"
         "Command: `python benchmarks/mqar.py run --max-minutes M` (resumable; "
         "runs in `runs/mqar/METHOD/nN/`), then `python benchmarks/mqar.py report`.\n")
-    print(DOC.read_text())
+    text = DOC.read_text()
+    if MARKS[0] in text:
+        text = text[:text.index(MARKS[0])] + text[text.index(MARKS[1]) + len(MARKS[1]):].lstrip("\n")
+    DOC.write_text(text.rstrip("\n") + f"\n\n{MARKS[0]}\n{section}{MARKS[1]}\n")
+    print(section)
 
 
 def main() -> None:
