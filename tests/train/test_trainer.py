@@ -292,6 +292,27 @@ def test_two_process_ddp_matches_one_process(data_dir, tmp_path):
     assert ddp_results["config"]["batching"] == "bucket"
 
 
+@pytest.mark.slow  # a whole command or subprocess run: .ci/run, not make test
+def test_two_process_ddp_matches_one_process_on_mqar(tmp_path):
+    """The task interface under torchrun: MQAR, whose samples carry different numbers of labels
+    (a mixture of pair counts), ends with the parameters of one process with the same global batch:
+    the loss is the mean over every process's labels."""
+    task = ["-t", "seq_len=32", "-t", "num_pairs=4", "-t", "train_pairs=(1,2,4)", "-t", "vocab_size=24",
+            "-t", "train_size=64", "-t", "eval_size=8"]
+    args = ["train", "mqar", "--method", "linear", *task, "--steps", "4", "--batch-size", "8", "--pad-to", "32",
+            "--dim", "16", "--ffn-dim", "32", "--lr", "1e-2", "--warmup-steps", "1", "--dtype", "float64",
+            "--eval-every", "2", "--checkpoint-every", "2", "--log-every", "2", "--threads", "1", "--no-progress",
+            "--no-tensorboard"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.run([*launcher, "-m", "subquad.train.cli", *args, "--out", str(tmp_path / "ddp")],
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert cli_main([*args, "--out", str(tmp_path / "one")]) == 0
+    a, b = (ckpt.load(tmp_path / d / "model.pt")["model"] for d in ("ddp", "one"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-9, atol=1e-10, msg=k)
+
+
 # --------------------------------------------------------------------------- command line errors
 
 

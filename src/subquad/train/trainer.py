@@ -314,7 +314,10 @@ class _Run:
         with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16"):
             logits, labels = _forward(self.net, tokens, pad, labels)
         loss_sum, correct, labelled = loss_and_correct(logits, labels)
-        loss = loss_sum / labelled.clamp_min(1)
+        # the mean over every process's labels: DDP averages the gradients of the processes' losses,
+        # so each divides its sum by the global count / world size (labels per position vary by shard)
+        labels_total = ctx.all_reduce_sum([float(labelled)])[0] if ctx.distributed else float(labelled)
+        loss = loss_sum * (ctx.world_size / max(labels_total, 1.0))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip is not None:
