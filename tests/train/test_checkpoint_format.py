@@ -88,3 +88,22 @@ def test_committed_listops_runs_load(path):
     model, cfg, saved = load_model(path)  # reads only: the runs are written by their own processes
     assert cfg.method == path.parent.name.split("-seed")[0] and int(saved["step"]) > 0
     assert set(model.state_dict()) == set(saved["model"])
+
+
+@pytest.mark.slow  # generates the ListOps test split and evaluates 2000 samples
+def test_a_committed_run_evaluates_to_its_recorded_number(tmp_path, capsys):
+    """``runs/listops/efficient``'s best-validation model evaluates, through today's trainer and
+    ``subquad evaluate``, to the test accuracy its run recorded (the test split does not depend on
+    the train size, so a train-less generation gives the same samples)."""
+    from subquad.tasks import listops
+
+    run = RUNS / "efficient"
+    if not (run / "best.pt").is_file():
+        pytest.skip(f"{run} is not here")
+    splits = listops.generate_splits(train_size=1, val_size=2000, test_size=2000, seed=0)
+    listops.write_splits(tmp_path, splits, meta={"task": "listops"})
+    assert main(["evaluate", "listops", "--checkpoint", str(run / "best.pt"), "--data", str(tmp_path),
+                 "--no-progress"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    recorded = json.loads((run / "results.json").read_text())
+    assert got["n"] == 2000 and got["accuracy"] == recorded["test_accuracy_best_val"]
