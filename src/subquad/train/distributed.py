@@ -69,8 +69,13 @@ class DistributedContext:
             else:
                 dist.barrier()
 
-    def cleanup(self) -> None:
+    def cleanup(self, synchronize: bool = False) -> None:
+        """Destroy the process group this context created. ``synchronize`` (after a run that ended
+        normally): first wait for every process, so that none tears its transport down while another
+        is still talking to it (gloo can abort at exit otherwise)."""
         if self.owns_group and dist.is_initialized():
+            if synchronize:
+                self.barrier()
             dist.destroy_process_group()
             self.owns_group = False
 

@@ -142,9 +142,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         torch.set_num_threads(cfg.threads)
     ctx = setup(cfg.device)
     try:
-        return _train(cfg, ctx)
-    finally:
+        results = _train(cfg, ctx)
+    except BaseException:
         ctx.cleanup()
+        raise
+    ctx.cleanup(synchronize=True)
+    return results
 
 
 def _train(cfg: TrainConfig, ctx: DistributedContext) -> dict[str, Any]:
