@@ -207,3 +207,19 @@ def test_conv_kernel_size_adds_the_conv_and_old_models_load():
     assert extra and all(".conv." in k or ".norm0." in k for k in extra)
     with pytest.raises(ValueError, match="conv_kernel_size must be a non-negative int"):
         Encoder(20, 5, dim=16, heads=2, conv_kernel_size=-1)
+
+
+def test_training_lengths_take_turns_and_batches_pad_each_row():
+    task = MQAR(seq_len=128, num_pairs=16, train_pairs=(2, 16), train_lengths=(16, 128))
+    data = task.load("", None)
+    assert data.train.lengths()[:4].tolist() == [16, 128, 16, 128] and task.max_length == 128
+    assert (data.test.lengths() == 128).all()
+    for i in range(8):
+        tokens, labels = make_sample(task, "train", i)
+        assert len(tokens) == (16 if i % 2 == 0 else 128)
+        assert 4 * int((labels != IGNORE).sum()) <= len(tokens)  # only the pair counts that fit
+    tokens, pad, labels = data.train.batch([0, 1], 256, 64)
+    assert tokens.shape == (2, 128) and pad[0, 16:].all() and not pad[0, :16].any() and not pad[1].any()
+    assert (labels[0, 16:] == IGNORE).all()
+    with pytest.raises(ValueError, match="train_lengths must be >= 8"):
+        MQAR(seq_len=64, num_pairs=4, train_pairs=(2,), train_lengths=(4,))

@@ -44,7 +44,8 @@ class MQAR(Task):
     sequences of ``seq_len`` tokens (``seq_len >= 4 * num_pairs``: the pairs and one query slot per
     key), ``vocab_size`` tokens; ``train_pairs`` (optional): training samples draw their number of
     pairs from these instead, as Zoology trains on a mixture of pair counts (the easy ones teach the
-    recall circuit sooner); ``train_size`` distinct training samples (Zoology: 100 000),
+    recall circuit sooner); ``train_lengths`` (optional): training samples take these lengths in
+    turn (Zoology trains on several lengths too); ``train_size`` distinct training samples (Zoology: 100 000),
     ``eval_size`` each for validation and test. Task options: ``-t seq_len=512 -t num_pairs=32``.
     Preset ``mqar``: 2 layers, dim 64, 1 head, a short convolution before each mixer, a linear
     head at every position."""
@@ -59,16 +60,21 @@ class MQAR(Task):
     power_a: float = 0.01
     random_fillers: bool = False
     train_pairs: tuple[int, ...] = ()
+    train_lengths: tuple[int, ...] = ()
     train_size: int = 100_000
     eval_size: int = 1_000
     data_seed: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "train_pairs", tuple(self.train_pairs))  # a list from a JSON config too
+        for name in ("train_pairs", "train_lengths"):  # a list from a JSON config too
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         check_int("mqar", "num_pairs", self.num_pairs, minimum=1)
         for pairs in self.train_pairs:
             check_int("mqar", "train_pairs", pairs, minimum=1)
-        check_int("mqar", "seq_len", self.seq_len, minimum=4 * max((self.num_pairs, *self.train_pairs)))
+        check_int("mqar", "seq_len", self.seq_len, minimum=4 * self.num_pairs)
+        smallest = min(self.train_pairs) if self.train_pairs else self.num_pairs  # a training sample's fewest pairs
+        for length in self.train_lengths or (self.seq_len,):
+            check_int("mqar", "train_lengths" if self.train_lengths else "seq_len", length, minimum=4 * smallest)
         check_int("mqar", "vocab_size", self.vocab_size, minimum=2 * max((self.num_pairs, *self.train_pairs)) + 4)
         check_bool("mqar", "random_fillers", self.random_fillers)
         check_float("mqar", "power_a", self.power_a, minimum=0.0, inclusive=False)
@@ -82,6 +88,13 @@ class MQAR(Task):
 
     @property
     def max_length(self) -> int:
+        return max((self.seq_len, *self.train_lengths))
+
+    def sample_length(self, split: str, index: int) -> int:
+        """Tokens of sample ``index``: ``seq_len``, or for training samples with ``train_lengths``
+        the lengths in turn (``index`` modulo their number)."""
+        if split == "train" and self.train_lengths:
+            return self.train_lengths[index % len(self.train_lengths)]
         return self.seq_len
 
     def load(self, data_dir: str, eval_samples: int | None) -> TaskData:
@@ -101,18 +114,20 @@ def make_sample(task: MQAR, split: str, index: int) -> tuple[np.ndarray, np.ndar
     rng = np.random.default_rng([task.data_seed, _SPLIT_CODE[split], int(index)])
     half = task.vocab_size // 2
     p = task.num_pairs
+    n = task.sample_length(split, index)
     if split == "train" and task.train_pairs:
-        p = task.train_pairs[rng.integers(len(task.train_pairs))]
+        fits = [pairs for pairs in task.train_pairs if 4 * pairs <= n]
+        p = fits[rng.integers(len(fits))]
     keys = rng.choice(np.arange(2, half), size=p, replace=False)
     values = rng.choice(np.arange(half, task.vocab_size), size=p, replace=False)
     if task.random_fillers:
-        tokens = rng.integers(1, task.vocab_size, size=task.seq_len)
+        tokens = rng.integers(1, task.vocab_size, size=n)
     else:
-        tokens = np.full(task.seq_len, FILLER, dtype=np.int64)
-    labels = np.full(task.seq_len, IGNORE, dtype=np.int64)
+        tokens = np.full(n, FILLER, dtype=np.int64)
+    labels = np.full(n, IGNORE, dtype=np.int64)
     tokens[0:2 * p:2] = keys
     tokens[1:2 * p:2] = values
-    slots = (task.seq_len - 2 * p) // 2
+    slots = (n - 2 * p) // 2
     weight = task.power_a * np.arange(1, slots + 1, dtype=np.float64) ** (task.power_a - 1)
     where = 2 * p + 2 * rng.choice(slots, size=p, replace=False, p=weight / weight.sum())
     tokens[where] = keys
@@ -131,7 +146,7 @@ class MQARDataset(torch.utils.data.Dataset):
         return self.size
 
     def lengths(self) -> np.ndarray:
-        return np.full(self.size, self.task.seq_len, dtype=np.int64)
+        return np.array([self.task.sample_length(self.split, i) for i in range(self.size)], dtype=np.int64)
 
     def __getitem__(self, i: int):
         if not 0 <= i < self.size:
@@ -141,18 +156,18 @@ class MQARDataset(torch.utils.data.Dataset):
 
     def batch(self, indices, pad_to: int, multiple: int | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Samples are never truncated: ``pad_to`` below ``seq_len`` is a ValueError. The batch is
-        ``seq_len`` long, rounded up to ``multiple`` (at most ``pad_to``) with padding token 0
-        (``multiple=None``: padded to ``pad_to``)."""
-        n = self.task.seq_len
+        """Samples are never truncated: ``pad_to`` below the longest is a ValueError. The batch is as
+        long as its longest sample, rounded up to ``multiple`` (at most ``pad_to``), with padding
+        token 0 (``multiple=None``: padded to ``pad_to``)."""
+        pairs = [make_sample(self.task, self.split, int(i)) for i in np.asarray(indices).tolist()]
+        n = max((len(t) for t, _ in pairs), default=1)
         if pad_to < n:
             raise ValueError(f"mqar samples have {n} tokens; pad_to={pad_to} would cut their queries")
         length = pad_to if multiple is None else min(pad_to, -(-n // multiple) * multiple)
-        pairs = [make_sample(self.task, self.split, int(i)) for i in np.asarray(indices).tolist()]
         tokens = np.zeros((len(pairs), length), dtype=np.int64)
         labels = np.full((len(pairs), length), IGNORE, dtype=np.int64)
+        pad = torch.ones(tokens.shape, dtype=torch.bool)
         for row, (t, y) in enumerate(pairs):
-            tokens[row, :n], labels[row, :n] = t, y
-        pad = torch.zeros(tokens.shape, dtype=torch.bool)
-        pad[:, n:] = True
+            tokens[row, :len(t)], labels[row, :len(t)] = t, y
+            pad[row, :len(t)] = False
         return torch.from_numpy(tokens), pad, torch.from_numpy(labels)
