@@ -101,7 +101,9 @@ class MQAR(Task):
         sets = {s: MQARDataset(self, s, self.train_size if s == "train" else self.eval_size) for s in _SPLIT_CODE}
         n_eval = self.eval_size if eval_samples is None else min(eval_samples, self.eval_size)
         chance = 2.0 / self.vocab_size  # a uniform guess among the values
-        mix = f" (training: {'/'.join(map(str, self.train_pairs))})" if self.train_pairs else ""
+        mix = "".join(f"; training {what} {'/'.join(map(str, values))}"
+                      for what, values in (("pairs", self.train_pairs), ("lengths", self.train_lengths)) if values)
+        mix = f" ({mix[2:]})" if mix else ""
         return TaskData(sets["train"], sets["val"], sets["test"], np.arange(n_eval), np.arange(n_eval),
                         facts={"chance_accuracy": chance},
                         description=f"mqar: {self.num_pairs} pairs in {self.seq_len} tokens{mix}, vocabulary "
