@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# On a CUDA machine whose python3 already has torch, numpy, numba, scipy, threadpoolctl, tqdm,
+# matplotlib and pytest-xdist: the CUDA tests, the CPU suite beside them, then `subquad compare`
+# on the GPU in bf16 at 4k-64k tokens (exact attention = SDPA, which picks its flash kernel for
+# bf16, D = 64, no mask). Logs and the compare run go to $OUT (default out/gpu).
+#   bash benchmarks/gpu_check.sh
+set -u
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 SUBQUAD_TEST_THREADS=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 || export PYTHONPATH=$PWD/src
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, numba; print('torch', torch.__version__, 'numba', numba.__version__)"
+
+# the CPU suite on other cores while the CUDA tests run (correctness only; nothing is timed yet)
+(timeout 200 python3 -m pytest -q -n 12 -m "not slow" -p no:cacheprovider >"$OUT/suite.log" 2>&1; echo "suite rc=$?" >>"$OUT/suite.log") &
+timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_cuda.py >"$OUT/cuda_tests.log" 2>&1
+echo "cuda tests rc=$?"; tail -n 25 "$OUT/cuda_tests.log"
+wait
+tail -n 15 "$OUT/suite.log"
+
+python3 - <<'EOF'
+# which SDPA kernel exact attention gets: the default dispatch against the flash kernel alone
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+import torch.nn.functional as F
+q, k, v = (torch.randn(1, 8, 16384, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+def t(fn, n=20):
+    fn(); torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record(); [fn() for _ in range(n)]; e.record(); torch.cuda.synchronize()
+    return s.elapsed_time(e) / n
+base = t(lambda: F.scaled_dot_product_attention(q, k, v))
+with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+    flash = t(lambda: F.scaled_dot_product_attention(q, k, v))
+print(f"SDPA at N=16384 bf16: default {base:.3f} ms, flash only {flash:.3f} ms")
+EOF
+
+timeout 240 python3 -m subquad compare --device cuda --dtype bfloat16 --n 4096 16384 65536 --source random \
+  --error-inputs iid --max-call-seconds 5 --min-run-time 0.2 --out "$OUT/compare" --quiet >"$OUT/compare.log" 2>&1
+echo "compare rc=$?"; tail -n 60 "$OUT/compare.log"
