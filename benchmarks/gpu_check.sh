@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On a CUDA machine whose python3 already has torch, numpy, numba, scipy, threadpoolctl, tqdm,
-# matplotlib and pytest-xdist: the CUDA tests, the CPU suite beside them, then `subquad compare`
-# on the GPU in bf16 at 4k-64k tokens (exact attention = SDPA, which picks its flash kernel for
-# bf16, D = 64, no mask). Logs and the compare run go to $OUT (default out/gpu).
+# matplotlib and pytest-xdist: the CUDA tests, the CPU suite, then `subquad compare` on the GPU
+# in bf16 at 4k-64k tokens (exact attention = SDPA's default dispatch, timed here against its
+# flash kernel alone). Logs and the compare run go to $OUT (default out/gpu); results in
+# benchmarks/results/cuda.md.
 #   bash benchmarks/gpu_check.sh
 set -u
 OUT=${OUT:-out/gpu}
@@ -12,12 +13,13 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/install.log 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, numba; print('torch', torch.__version__, 'numba', numba.__version__)"
 
-# the CPU suite on other cores while the CUDA tests run (correctness only; nothing is timed yet)
-(timeout 200 python3 -m pytest -q -n 12 -m "not slow" -p no:cacheprovider >"$OUT/suite.log" 2>&1; echo "suite rc=$?" >>"$OUT/suite.log") &
-timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_cuda.py >"$OUT/cuda_tests.log" 2>&1
-echo "cuda tests rc=$?"; tail -n 25 "$OUT/cuda_tests.log"
-wait
-tail -n 15 "$OUT/suite.log"
+# the CUDA tests, then the CPU suite (correctness only; nothing else runs, so the compare below
+# starts on an idle machine); -v and -rfE keep every failing test's name in the logs
+timeout 200 python3 -m pytest -v -p no:cacheprovider -rfE tests/test_cuda.py >"$OUT/cuda_tests.log" 2>&1
+echo "cuda tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/cuda_tests.log" | tail -n 25
+timeout 240 python3 -m pytest -v -n 15 -m "not slow" -p no:cacheprovider -rfE >"$OUT/suite.log" 2>&1
+echo "suite rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/suite.log" | tail -n 25
+sleep 20
 
 python3 - <<'EOF'
 # which SDPA kernel exact attention gets: the default dispatch against the flash kernel alone

@@ -130,17 +130,11 @@ def test_module_on_cuda(method):
             assert p.grad.device.type == "cuda" and torch.isfinite(p.grad).all(), name
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("method", [m for m in ATTENTION_METHODS if subquad.get_method(m).complexity == "linear"])
-def test_long_bf16_linear_memory(method, causal):
-    """Linear-cost methods at N = 65536 in bf16 (B=1, H=8, D=64) on the GPU: forward and
-    backward finite, and a peak memory far under the 64 GiB one N x N bf16 score matrix per head
-    would take (under 4 GiB)."""
+def _peak_bytes(method: str, n: int, causal: bool) -> int:
+    """Peak CUDA memory of one bf16 forward+backward at length ``n`` (B=1, H=8, D=64) over the
+    inputs, after checking that the output and gradients are finite."""
     info = subquad.get_method(method)
-    if causal and not info.causal:
-        pytest.skip(f"{method} is not causal")
-    q, k, v = (t.to(CUDA, torch.bfloat16).requires_grad_(True)
-               for t in qkv(1, 8, 65536, 64, dtype=torch.float32))
+    q, k, v = (t.to(CUDA, torch.bfloat16).requires_grad_(True) for t in qkv(1, 8, n, 64, dtype=torch.float32))
     opts = {"generator": torch.Generator().manual_seed(0)} if info.stochastic else {}
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -148,10 +142,23 @@ def test_long_bf16_linear_memory(method, causal):
     out = subquad.attention(q, k, v, method=method, causal=causal, **opts)
     grads = torch.autograd.grad(out.float().square().mean(), (q, k, v), allow_unused=True)
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
     assert torch.isfinite(out).all()
     assert all(g is None or torch.isfinite(g).all() for g in grads)
-    assert peak < 4 * 2**30, f"{method}: peak {peak / 2**30:.1f} GiB"
+    return torch.cuda.max_memory_allocated() - base
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("method", [m for m in ATTENTION_METHODS if subquad.get_method(m).complexity == "linear"])
+def test_long_bf16_memory_grows_linearly(method, causal):
+    """Linear-cost methods in bf16 on the GPU, forward+backward at N = 16384 and 65536: finite,
+    and the peak memory grows at most 5x for 4x the tokens (one N x N score matrix would grow
+    16x; at 65536 it alone would take 64 GiB for 8 heads). A fixed cap would not do: hybrid's
+    torch path gathers its budget of keys for every query, linear in N but 30 GiB at 65536
+    causal (benchmarks/results/cuda.md)."""
+    if causal and not subquad.get_method(method).causal:
+        pytest.skip(f"{method} is not causal")
+    short, long = (_peak_bytes(method, n, causal) for n in (16384, 65536))
+    assert long < 5 * short, f"{method}: {short / 2**20:.0f} MiB at 16384, {long / 2**20:.0f} MiB at 65536"
 
 
 @pytest.mark.parametrize("method", ["softmax", "performer", "hybrid"])
