@@ -97,6 +97,11 @@ class MethodInfo:
     #: and values (:class:`subquad.ops.linear.state.KernelState`); None for options without that form
     kernel_features: Callable[[Any], Callable[..., tuple[Tensor, Tensor]] | None] | None = dataclasses.field(
         default=None, repr=False, compare=False)
+    #: ``decode_state(options) -> state``: for a causal method that decodes through a state of its
+    #: own rather than kernel features (hybrid: the keys and values and their index), a fresh
+    #: per-layer state with ``attend(q, k, v, key_padding_mask, scale) -> out`` for the new tokens
+    #: (which then join it), ``select(batch_index)``, ``nbytes()`` and ``seen``
+    decode_state: Callable[[Any], Any] | None = dataclasses.field(default=None, repr=False, compare=False)
     #: ``learned_init(options, num_heads, head_dim) -> {option name: tensor}``: the tensors a method
     #: learns, which its op takes as options, at their initial values (hedgehog's feature maps); a
     #: layer (:class:`subquad.layers.AttentionCore`, a retrofit) keeps them as parameters
@@ -212,6 +217,7 @@ def register_method(
     fixed_draw: Callable[..., dict[str, Tensor]] | None = None,
     kernel_features: Callable[[Any], Callable[..., tuple[Tensor, Tensor]] | None] | None = None,
     learned_init: Callable[..., dict[str, Tensor]] | None = None,
+    decode_state: Callable[[Any], Any] | None = None,
 ) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
     """Decorator: register ``impl(q, k, v, key_padding_mask, causal, scale, **options)`` (or, when it
     has a parameter ``options``, ``impl(..., options=<the validated dataclass>)``) under ``name``
@@ -255,7 +261,7 @@ def register_method(
                     peer=peer, test_options=test_options, sampling_options=sampling_options,
                     fullgraph_with_padding=fullgraph_with_padding, length_multiple=length_multiple, exact=exact,
                     logit_scale=logit_scale, query_local=query_local, fixed_draw=fixed_draw,
-                    kernel_features=kernel_features, learned_init=learned_init)
+                    kernel_features=kernel_features, learned_init=learned_init, decode_state=decode_state)
         return op
 
     return decorator

@@ -69,15 +69,15 @@ def test_generate_with_state_matches_generate_with_all_keys(method, options):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("method,options", [("sinkhorn", {"block_size": 4}), ("hybrid", {"budget": 8}),
+@pytest.mark.parametrize("method,options", [("sinkhorn", {"block_size": 4}),
                                             ("hedgehog", {"window": 4, "chunk_size": 4})])
 def test_methods_without_state_decode_with_all_keys(method, options):
-    """A method without a recurrent state gets a DynamicCache from decoding_cache, and refuses a
+    """A method without a decoding state gets a DynamicCache from decoding_cache, and refuses a
     StateCache with a clear error."""
     model = H.retrofit(tiny_llama(), method, **options)
     assert not H.has_state(model)
     assert isinstance(H.decoding_cache(model), transformers.DynamicCache)
-    with pytest.raises(NotImplementedError, match="no recurrent state"), torch.no_grad():
+    with pytest.raises(NotImplementedError, match="no decoding state"), torch.no_grad():
         model(input_ids=_ids(1, 8), cache=H.StateCache())
 
 
@@ -89,3 +89,43 @@ def test_state_cache_refused_in_exact_mode_and_hooks_removed_by_unretrofit():
     mods = [m for _, m in H.attention_modules(model)]
     H.unretrofit(model)
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in mods)
+
+
+HYBRID_SMALL = {"budget": 12, "block_size": 2, "window": 2, "num_selected": 2, "num_summaries": 2, "candidates": 2,
+                "beam": 1, "chunk_size": 4}
+
+
+def test_hybrid_at_a_full_budget_decodes_exact_attention():
+    """hybrid through its decoding state, at a budget that covers every key: prefill and single
+    steps give the model's own (exact) logits; the state holds the keys, so it grows."""
+    model = H.retrofit(tiny_llama(), "hybrid", budget=64)
+    exact = H.unretrofit(H.retrofit(tiny_llama(), "linear"))  # the same weights, its own attention
+    prompt, more = _ids(2, 9), _ids(2, 6, seed=3)
+    cache = H.decoding_cache(model)
+    assert isinstance(cache, H.StateCache) and H.has_state(model)
+    with torch.no_grad():
+        full = exact(input_ids=torch.cat([prompt, more], 1)).logits
+        steps, sizes = [model(input_ids=prompt, cache=cache).logits], []
+        for t in range(more.shape[1]):
+            steps.append(model(input_ids=more[:, t: t + 1], cache=cache).logits)
+            sizes.append(cache.nbytes())
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+    assert cache.get_seq_length() == 15 and sizes == sorted(sizes)
+
+
+def test_hybrid_prefill_is_the_parallel_op_and_a_padded_batch_generates_as_its_rows_alone():
+    """At a small budget the prefill's logits are the retrofitted model's full forward, and a
+    left-padded batch generates, token for token, what each row generates alone."""
+    model = H.retrofit(tiny_llama(), "hybrid", **HYBRID_SMALL)
+    ids = _ids(2, 30)
+    mask = torch.ones_like(ids)
+    ids[1, :5], mask[1, :5] = 0, 0
+    with torch.no_grad():
+        full = model(input_ids=ids[:1]).logits
+        pre = model(input_ids=ids[:1], cache=H.decoding_cache(model)).logits
+    torch.testing.assert_close(pre, full, rtol=1e-5, atol=1e-5)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    both = model.generate(ids, attention_mask=mask, cache=H.decoding_cache(model), **kw)
+    for b, start in ((0, 0), (1, 5)):
+        alone = model.generate(ids[b: b + 1, start:], cache=H.decoding_cache(model), **kw)
+        assert torch.equal(both[b, 30:], alone[0, 30 - start:])

@@ -1,15 +1,18 @@
 """Decoding caches for retrofitted models: what a retrofitted layer keeps between generated tokens.
 
-:class:`StateCache` is a ``transformers`` ``Cache`` that keeps no keys and values: each layer
-holds its method's recurrent state instead (:class:`subquad.ops.linear.state.KernelState` for
-``linear``, ``performer`` and ``hedgehog`` without a window), so a generated token costs the same
-time and memory at any context length. :func:`decoding_cache` picks the cache a retrofitted model
+:class:`StateCache` is a ``transformers`` ``Cache`` whose layers hold their method's decoding
+state instead of transformers' keys and values: the recurrent state of kernel attention
+(:class:`subquad.ops.linear.state.KernelState` for ``linear``, ``performer`` and ``hedgehog``
+without a window), so a generated token costs the same time and memory at any context length; or
+a method's own state (``hybrid``: :class:`subquad.ops.hybrid.HybridDecodeState`, the keys and
+values with an index, so a token costs about its budget and the log of the context).
+:func:`decoding_cache` picks the cache a retrofitted model
 decodes with::
 
     model = subquad.hf.retrofit(model, "linear")
     out = model.generate(ids, cache=subquad.hf.decoding_cache(model), max_new_tokens=64)
 
-Methods without a state decode with transformers' ``DynamicCache`` (every key and value kept;
+Methods without one decode with transformers' ``DynamicCache`` (every key and value kept;
 the retrofit then recomputes each new query against all of them).
 """
 
@@ -81,17 +84,17 @@ class StateCache(Cache):
         super().__init__(layer_class_to_replicate=StateLayer)
 
     def nbytes(self) -> int:
-        """Memory held by every layer's state (constant once the first token has run)."""
+        """Memory held by every layer's state (for kernel states constant once the first token has run)."""
         return sum(layer.state.nbytes() for layer in self.layers if layer.state is not None)
 
 
 def has_state(model: nn.Module) -> bool:
-    """Whether every retrofitted layer of ``model`` can decode with a recurrent state."""
+    """Whether every retrofitted layer of ``model`` can decode through a state (:class:`StateCache`)."""
     layers = [m.subquad_retrofit for m in model.modules() if hasattr(m, "subquad_retrofit")]
     return bool(layers) and all(r.has_state for r in layers)
 
 
 def decoding_cache(model: nn.Module) -> Cache:
     """The cache ``model`` (retrofitted) decodes with: a :class:`StateCache` when its method has a
-    recurrent state, else transformers' ``DynamicCache``."""
+    decoding state, else transformers' ``DynamicCache``."""
     return StateCache() if has_state(model) else DynamicCache()

@@ -101,9 +101,9 @@ class RetrofitAttention(nn.Module):
 
     @property
     def has_state(self) -> bool:
-        """Whether this layer can decode with a recurrent state (:meth:`decode`): its method's
-        entry has ``kernel_features`` for its options (hedgehog: without a window)."""
-        return self._features() is not None
+        """Whether this layer can decode through a state (:meth:`decode`): its method's entry has
+        ``kernel_features`` for its options (hedgehog: without a window) or a ``decode_state``."""
+        return self._features() is not None or subquad.get_method(self.method).decode_state is not None
 
     def _features(self, q: Tensor | None = None):
         """The entry's kernel feature function for this layer's options, or None."""
@@ -140,18 +140,25 @@ class RetrofitAttention(nn.Module):
 
     def decode(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, scale: float | None,
                layer: Any) -> Tensor:
-        """Causal attention of ``n`` new tokens through the recurrent state kept in ``layer`` (a
-        :class:`subquad.hf.cache.StateLayer`), which they then join: the same as the parallel
-        causal form over every token so far, in O(1) time and memory per token."""
+        """Causal attention of ``n`` new tokens through the state kept in ``layer`` (a
+        :class:`subquad.hf.cache.StateLayer`), which they then join. A kernel method's recurrent
+        state computes the same as the parallel causal form in O(1) time and memory per token;
+        a method's own ``decode_state`` (hybrid) what its docstring says."""
         from ..ops.linear.state import KernelState
 
         if not self.has_state:
-            raise NotImplementedError(f"subquad retrofit: {self.method!r} (options {self.options}) has no recurrent "
+            raise NotImplementedError(f"subquad retrofit: {self.method!r} (options {self.options}) has no decoding "
                                       "state; decode it with transformers' DynamicCache (subquad.hf.decoding_cache)")
         dtype = q.dtype
         q, k, v = self._inputs(q, k, v)
-        o = subquad.get_method(self.method).make_options(**self._op_options(q))
-        phi_q, phi_k = self._features(q)(q, k, self._op_scale(q, scale))
+        info = subquad.get_method(self.method)
+        o = info.make_options(**self._op_options(q))
+        features = self._features(q)
+        if features is None:
+            if layer.state is None:
+                layer.state = info.decode_state(o)
+            return layer.state.attend(q, k, v, key_padding_mask, self._op_scale(q, scale)).to(dtype)
+        phi_q, phi_k = features(q, k, self._op_scale(q, scale))
         if layer.state is None:
             layer.state = KernelState(getattr(o, "chunk_size", 64))
         return layer.state.attend(phi_q, phi_k, v.to(phi_q.dtype), key_padding_mask).to(dtype)

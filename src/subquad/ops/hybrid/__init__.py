@@ -54,7 +54,8 @@ differentiable. Cost per query: ``O((window + candidates * block_size + beam log
 tree, ``O(D log N)`` per key and power-iteration step; causal adds up to ``2 chunk_size +
 QUERY_BLOCK`` recent keys. How it is computed: on CPU without autograd by a compiled kernel
 (``kernel.py``, ``kernel_tree.py``; numba), elsewhere and with gradients in torch (``attend.py``),
-the two tested equal; FLOPs: ``flops.py``.
+the two tested equal; FLOPs: ``flops.py``. Decoding one token at a time against a growing cache
+and its index, without rebuilding the tree: :class:`~.decode.HybridDecodeState` (``decode.py``).
 """
 
 from __future__ import annotations
@@ -69,11 +70,12 @@ from ...registry import register_method
 from .._masks import compute_dtype, compute_precision
 from ..softmax import sdpa
 from .attend import hybrid_core, window_starts
+from .decode import HybridDecodeState
 from .index import numpy_path
 from .flops import flops
 from .options import HybridOptions, HybridPlan, plan
 
-__all__ = ["HybridOptions", "HybridPlan", "hybrid_attention", "plan", "flops", "torch_path"]
+__all__ = ["HybridDecodeState", "HybridOptions", "HybridPlan", "hybrid_attention", "plan", "flops", "torch_path"]
 
 
 @register_method(
@@ -87,6 +89,7 @@ __all__ = ["HybridOptions", "HybridPlan", "hybrid_attention", "plan", "flops", "
     test_options={"budget": 9, "block_size": 2, "window": 3, "num_selected": 2, "num_summaries": 2,
                   "candidates": 4, "beam": 2, "chunk_size": 4},
     fullgraph_with_padding=False,  # padding is removed first: shapes from the mask
+    decode_state=lambda options: HybridDecodeState(options),
 )
 def hybrid_attention(q, k, v, key_padding_mask, causal, scale, *, options: HybridOptions):
     """Hybrid attention (see the module docstring).

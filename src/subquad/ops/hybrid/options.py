@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from ...checks import check_choice, check_int
 
-__all__ = ["HybridOptions", "HybridPlan", "plan", "QUERY_BLOCK", "CHUNK_BYTES", "GROUPINGS", "SCORINGS"]
+__all__ = ["HybridOptions", "HybridPlan", "plan", "num_selected", "candidate_count", "QUERY_BLOCK", "CHUNK_BYTES",
+           "GROUPINGS", "SCORINGS"]
 
 GROUPINGS = ("tree", "contiguous")
 SCORINGS = ("mass", "mean")
@@ -116,6 +117,23 @@ class HybridPlan:
         return self.final_level == 0
 
 
+def num_selected(o: HybridOptions) -> int:
+    """Leaves attended exactly per query: ``o.num_selected``, or what the budget leaves after the
+    window and the summaries."""
+    if o.num_selected is not None:
+        return o.num_selected
+    summaries = o.num_summaries or 1 << max(0, int(math.log2(max(1, o.budget // 8))))
+    window = o.budget // 8 if o.window is None else o.window
+    return max(0, (o.budget - window - summaries) // o.block_size)
+
+
+def candidate_count(o: HybridOptions, selected: int | None = None) -> int:
+    """Leaves a query block scores exactly: ``o.candidates``, or the power of two at or above
+    8 per selected leaf, at least 128."""
+    selected = num_selected(o) if selected is None else selected
+    return o.candidates or max(128, 1 << math.ceil(math.log2(max(1, 8 * selected))))
+
+
 def plan(o: HybridOptions, n_keys: int, causal: bool) -> HybridPlan:
     """Split ``o.budget`` into window, selected leaves and summaries (``num_summaries`` = the
     largest power of two <= budget / 8, ``window`` = budget // 8, ``num_selected`` = what is left
@@ -125,9 +143,7 @@ def plan(o: HybridOptions, n_keys: int, causal: bool) -> HybridPlan:
     if summaries is None:
         summaries = 1 << max(0, int(math.log2(max(1, o.budget // 8))))
     window = o.budget // 8 if o.window is None else o.window
-    selected = o.num_selected
-    if selected is None:
-        selected = max(0, (o.budget - window - summaries) // o.block_size)
+    selected = num_selected(o)
     bs = o.block_size
     depth = max(math.ceil(math.log2(max(1, -(-n_keys // bs)))), int(math.log2(summaries)))
     if o.grouping == "contiguous":
@@ -136,7 +152,7 @@ def plan(o: HybridOptions, n_keys: int, causal: bool) -> HybridPlan:
         chunk_level = max(0, depth - int(math.log2(max(1, o.chunk_size // bs))))
     else:
         chunk_level = 0
-    candidates = o.candidates or max(128, 1 << math.ceil(math.log2(max(1, 8 * selected))))
+    candidates = candidate_count(o, selected)
     beam = o.beam or max(1, candidates // 4)
     if beam > candidates:
         raise ValueError(f"hybrid: beam ({beam}) must not exceed candidates ({candidates})")

@@ -1,0 +1,280 @@
+"""hybrid for decoding: new queries one at a time against a growing key cache and its index.
+
+The parallel op builds its key tree per call, O(N log N): a decoder calling it for every new
+token would pay that per token. :class:`HybridDecodeState` keeps, per batch row, the real keys and
+values seen so far (padding dropped, so keys are counted by rank as in the op) and **prefix sums
+over their leaves** (``block_size`` consecutive keys): the sum of keys, of squared keys and of
+values of every leaf prefix. Any run of leaves then has its count, mean key, per-coordinate key
+variance and mean value in O(D), so the index costs no rebuild as tokens arrive: a completed leaf
+appends one row to each sum.
+
+One new query at position ``t`` (``T = t + 1`` keys including its own) sees:
+
+- the **window**: the keys from ``w0`` to ``t``, where ``w0`` is ``T - window`` rounded down to a
+  leaf boundary (``window`` to ``window + block_size - 1`` keys);
+- the **selected leaves**: among the ``L = w0 / block_size`` leaves before the window, the
+  ``num_selected`` with the largest exact log-sum-exp of the query's logits over their keys,
+  chosen from ``candidates`` leaves (all of them when ``L <= candidates``; the first ``sinks``
+  leaves always). The candidates come from a **descent over runs of leaves by position**: runs
+  of ``candidates / beam`` leaves grouped eight to a parent; starting from the coarsest level
+  with at most ``8 beam`` runs, each level keeps the ``beam`` runs whose estimated log-sum-exp is
+  largest and splits them into their eight children. A run of ``n`` keys with mean ``mu`` and
+  per-coordinate variance ``var`` is estimated ``s q.mu + s^2/2 sum_d q_d^2 var_d + log n``, the
+  log-sum-exp of Gaussian logits with that mean and (diagonal) variance. Cost per query:
+  ``O(beam log(L) D)`` for the descent and ``O(candidates block_size D)`` for the leaves;
+- the **summaries**: the ``L`` leaves in ``num_summaries`` runs of equal length, each entering as
+  one term ``n' exp(s q.k')`` with value ``v'``: ``n'``, ``k'``, ``v'`` the count, mean key and
+  mean value of the run's keys not selected. No key is dropped; with every leaf selected there
+  are no summaries and the output is exact attention.
+
+The same estimator family as the parallel causal op (window, selected leaves, coarse summaries
+with the selected keys taken out; the parts from :func:`subquad.ops.hybrid.plan`), but not the
+same numbers: the op groups leaves by similarity within sealed chunks and its queries share a
+descent per block of 64, while a decoder has one query and groups by position. A prefill (the
+first call, several tokens) runs the parallel causal op and indexes its keys; later tokens decode
+here. Tested against dense references of the selection and of the attention it implies.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .options import HybridOptions, candidate_count, plan
+
+__all__ = ["HybridDecodeState"]
+
+FANOUT = 8  # children per run in the descent
+
+
+class _Row:
+    """One batch row's real keys ``(H, T, D)`` and values ``(H, T, Dv)`` (capacity grows by
+    doubling) and the leaf prefix sums ``(H, leaves + 1, D)`` of keys, squared keys and values."""
+
+    def __init__(self, block_size: int):
+        self.bs = block_size
+        self.count = 0
+        self.k = self.v = self.pk = self.pk2 = self.pv = None
+
+    def extend(self, k: Tensor, v: Tensor) -> None:
+        """Append keys ``(H, n, D)`` and values ``(H, n, Dv)``."""
+        n = k.shape[1]
+        if self.k is None:
+            H, cap = k.shape[0], max(64, n)
+            self.k = k.new_empty(H, cap, k.shape[2])
+            self.v = v.new_empty(H, cap, v.shape[2])
+            self.pk = k.new_zeros(H, cap // self.bs + 1, k.shape[2])
+            self.pk2, self.pv = torch.zeros_like(self.pk), v.new_zeros(H, cap // self.bs + 1, v.shape[2])
+        if self.count + n > self.k.shape[1]:
+            self._grow(max(2 * self.k.shape[1], self.count + n))
+        old_leaves = self.count // self.bs
+        self.k[:, self.count: self.count + n] = k
+        self.v[:, self.count: self.count + n] = v
+        self.count += n
+        new_leaves = self.count // self.bs
+        if new_leaves > old_leaves:
+            span = slice(old_leaves * self.bs, new_leaves * self.bs)
+            for prefix, x in ((self.pk, self.k[:, span]), (self.pk2, self.k[:, span].square()),
+                              (self.pv, self.v[:, span])):
+                leaf = x.unflatten(1, (-1, self.bs)).sum(2)  # (H, new leaves, D)
+                prefix[:, old_leaves + 1: new_leaves + 1] = prefix[:, old_leaves: old_leaves + 1] + leaf.cumsum(1)
+
+    def _grow(self, cap: int) -> None:
+        def grown(t: Tensor, rows: int) -> Tensor:
+            out = t.new_zeros(t.shape[0], rows, t.shape[2])
+            out[:, : t.shape[1]] = t
+            return out
+
+        self.k, self.v = grown(self.k, cap), grown(self.v, cap)
+        self.pk, self.pk2, self.pv = (grown(t, cap // self.bs + 1) for t in (self.pk, self.pk2, self.pv))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.pk, self.pk2, self.pv) if t is not None)
+
+
+def _run_stats(row: _Row, start: Tensor, end: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Runs of leaves ``[start, end)`` ``(H, R)`` -> key sums ``(H, R, D)``, squared-key sums, counts."""
+    ksum = _rows(row.pk, end) - _rows(row.pk, start)
+    k2sum = _rows(row.pk2, end) - _rows(row.pk2, start)
+    return ksum, k2sum, ((end - start) * row.bs).to(ksum.dtype)
+
+
+def run_scores(row: _Row, q: Tensor, start: Tensor, end: Tensor, scale: float) -> Tensor:
+    """Estimated log-sum-exp of ``scale q.k`` over each run of leaves ``[start, end)`` ``(H, R)``
+    (q ``(H, D)``): Gaussian logits with the run's mean and per-coordinate variance; -inf for an
+    empty run."""
+    ksum, k2sum, n = _run_stats(row, start, end)
+    safe = n.clamp_min(1.0).unsqueeze(-1)
+    mean = ksum / safe
+    var = (k2sum / safe - mean.square()).clamp_min(0.0)
+    qe = q.unsqueeze(1)
+    score = scale * (mean * qe).sum(-1) + 0.5 * scale**2 * (var * qe.square()).sum(-1) + n.clamp_min(1.0).log()
+    return score.masked_fill(n == 0, float("-inf"))
+
+
+def candidate_leaves(row: _Row, q: Tensor, first: int, leaves: int, candidates: int, beam: int,
+                     scale: float) -> Tensor:
+    """``(H, C)`` leaf indices in ``[first, leaves)`` for the exact scoring (may repeat; -1 where a
+    run ran past the end): every leaf when there are at most ``candidates``, else the leaves of the
+    ``beam`` runs of ``candidates / beam`` leaves the descent ends on (see the module docstring)."""
+    H, device = q.shape[0], q.device
+    count = leaves - first
+    if count <= candidates:
+        return (first + torch.arange(count, device=device)).expand(H, count)
+    base = candidates // beam  # leaves per final run
+    level = 0
+    while -(-count // (base * FANOUT**level)) > FANOUT * beam:
+        level += 1
+    size = base * FANOUT**level
+    start = (first + torch.arange(0, count, size, device=device)).expand(H, -1)
+    while True:
+        scores = run_scores(row, q, start, (start + size).clamp_max(leaves), scale)
+        keep = scores.topk(min(beam, scores.shape[1]), dim=1).indices
+        start = start.gather(1, keep)
+        if level == 0:
+            break
+        level -= 1
+        size //= FANOUT
+        start = (start.unsqueeze(-1) + size * torch.arange(FANOUT, device=device)).flatten(1)
+        start = start.clamp_max(leaves)  # runs past the end are empty: -inf
+    leaf = (start.unsqueeze(-1) + torch.arange(base, device=device)).flatten(1)
+    return leaf.masked_fill(leaf >= leaves, -1)
+
+
+class HybridDecodeState:
+    """hybrid's decoding state for one attention layer (see the module docstring): per batch row,
+    its real keys and values and their leaf prefix sums.
+
+    :meth:`attend` takes the new tokens' q ``(B, H, n, D)``, k ``(B, H, n, D)``, v ``(B, H, n, Dv)``
+    and ``key_padding_mask`` ``(B, n)`` (True = padding: such tokens join nothing and output zeros)
+    and returns their causal outputs ``(B, H, n, Dv)`` over every earlier real token and
+    themselves. Its first call with several tokens (a prefill) runs the parallel op."""
+
+    def __init__(self, options: HybridOptions | None = None):
+        self.options = options or HybridOptions()
+        self.candidates = candidate_count(self.options)
+        self.rows: list[_Row] = []
+
+    @property
+    def seen(self) -> int:
+        """Real tokens held by the longest row."""
+        return max((r.count for r in self.rows), default=0)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None,
+               scale: float | None = None) -> Tensor:
+        from . import hybrid_attention
+
+        B, H, n, D = q.shape
+        scale = D**-0.5 if scale is None else scale
+        if not self.rows:
+            self.rows = [_Row(self.options.block_size) for _ in range(B)]
+        if len(self.rows) != B:
+            raise ValueError(f"HybridDecodeState holds {len(self.rows)} batch rows; this call has {B}")
+        out = q.new_zeros(B, H, n, v.shape[-1])
+        options = {f: getattr(self.options, f) for f in self.options.__dataclass_fields__}
+        for b, row in enumerate(self.rows):
+            keep = (torch.arange(n, device=q.device) if key_padding_mask is None
+                    else (~key_padding_mask[b]).nonzero()[:, 0])
+            if keep.numel() == 0:
+                continue
+            qb, kb, vb = (t[b].index_select(1, keep) for t in (q, k, v))
+            if row.count == 0 and keep.numel() > 1:  # a prefill: the parallel causal op
+                o = hybrid_attention(qb[None], kb[None], vb[None], causal=True, scale=scale, **options)[0]
+                row.extend(kb, vb)
+            else:
+                steps = []
+                for j in range(keep.numel()):
+                    row.extend(kb[:, j: j + 1], vb[:, j: j + 1])
+                    steps.append(self._step(row, qb[:, j], scale))
+                o = torch.stack(steps, 1)
+            out[b].index_copy_(1, keep, o.to(out.dtype))
+        return out
+
+    def choose(self, row: _Row, q: Tensor, scale: float) -> tuple[int, int, Tensor]:
+        """For query q ``(H, D)`` at the row's last position: the window start ``w0``, the leaves
+        before it ``L`` and the selected leaves ``(H, S)`` (-1: none)."""
+        p = plan(self.options, row.count, True)
+        w0 = max(0, row.count - p.window) // row.bs * row.bs
+        L = w0 // row.bs
+        if L == 0:
+            return w0, L, q.new_zeros(q.shape[0], 0, dtype=torch.long)
+        sinks = min(p.sinks, L)
+        found = candidate_leaves(row, q, sinks, L, self.candidates, p.beam, scale)
+        cand = torch.cat([torch.arange(sinks, device=q.device).expand(q.shape[0], sinks), found], 1)
+        return w0, L, select_leaves(row, q, cand, p.num_selected, scale)
+
+    def _step(self, row: _Row, q: Tensor, scale: float) -> Tensor:
+        """The output ``(H, Dv)`` of query q ``(H, D)`` at the row's last position."""
+        w0, L, selected = self.choose(row, q, scale)
+        logits = [scale * torch.einsum("hd,htd->ht", q, row.k[:, w0: row.count])]
+        values = [row.v[:, w0: row.count]]
+        if L > 0:
+            num_summaries = plan(self.options, row.count, True).num_summaries
+            for part in (_leaf_terms(row, q, selected, scale), _summaries(row, q, selected, L, num_summaries, scale)):
+                logits.append(part[0])
+                values.append(part[1])
+        weights = torch.softmax(torch.cat(logits, 1), dim=1)
+        return torch.einsum("ht,htd->hd", weights, torch.cat(values, 1))
+
+    def select(self, index: Tensor) -> None:
+        """Keep the batch rows ``index`` (beam search's reordering)."""
+        import copy
+
+        self.rows = [copy.deepcopy(self.rows[i]) for i in index.tolist()]
+
+    def nbytes(self) -> int:
+        return sum(r.nbytes() for r in self.rows)
+
+
+def _leaf_keys(leaves: Tensor, bs: int) -> Tensor:
+    """Key indices ``(H, C bs)`` of leaves ``(H, C)`` (-1 counts as leaf 0)."""
+    return (leaves.clamp_min(0).unsqueeze(-1) * bs + torch.arange(bs, device=leaves.device)).flatten(1)
+
+
+def _rows(x: Tensor, index: Tensor) -> Tensor:
+    """``x[h, index[h, i]]``: x ``(H, T, D)``, index ``(H, I)`` -> ``(H, I, D)``."""
+    return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[2]))
+
+
+def select_leaves(row: _Row, q: Tensor, cand: Tensor, num_selected: int, scale: float) -> Tensor:
+    """The ``num_selected`` distinct leaves among ``cand`` ``(H, C)`` (-1: none) whose keys' logits
+    have the largest log-sum-exp, ``(H, S)``; -1 where fewer leaves exist."""
+    cand = cand.sort(1).values
+    dup = torch.zeros_like(cand, dtype=torch.bool)
+    dup[:, 1:] = cand[:, 1:] == cand[:, :-1]  # a sink the descent reached again counts once
+    cand = cand.masked_fill(dup, -1)
+    logits = scale * torch.einsum("hd,hkd->hk", q, _rows(row.k, _leaf_keys(cand, row.bs)))
+    lse = logits.unflatten(1, (-1, row.bs)).logsumexp(-1).masked_fill(cand < 0, float("-inf"))
+    best = lse.topk(min(num_selected, cand.shape[1]), dim=1)
+    return cand.gather(1, best.indices).masked_fill(best.values == float("-inf"), -1)
+
+
+def _leaf_terms(row: _Row, q: Tensor, selected: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Logits ``(H, S bs)`` (-inf for -1 leaves) and values ``(H, S bs, Dv)`` of the selected keys."""
+    keys = _leaf_keys(selected, row.bs)
+    logits = scale * torch.einsum("hd,hkd->hk", q, _rows(row.k, keys))
+    none = (selected < 0).repeat_interleave(row.bs, dim=1)
+    return logits.masked_fill(none, float("-inf")), _rows(row.v, keys)
+
+
+def _summaries(row: _Row, q: Tensor, selected: Tensor, leaves: int, num_summaries: int,
+               scale: float) -> tuple[Tensor, Tensor]:
+    """The coarse terms: leaves ``[0, leaves)`` in ``num_summaries`` runs of equal length, each
+    without its ``selected`` leaves ``(H, S)``: logits ``(H, G)`` (``scale q.mean + log count``,
+    -inf when empty) and mean values ``(H, G, Dv)``."""
+    H, device = q.shape[0], q.device
+    G = min(num_summaries, leaves)
+    bounds = torch.tensor([g * leaves // G for g in range(G + 1)], device=device)
+    start, end = bounds[:-1].expand(H, G), bounds[1:].expand(H, G)
+    ksum, _, count = _run_stats(row, start, end)
+    vsum = _rows(row.pv, end) - _rows(row.pv, start)
+    real = selected >= 0
+    leaf = selected.clamp_min(0)
+    group = torch.bucketize(leaf, bounds[1:], right=True)  # (H, S): the run holding each selected leaf
+    for total, prefix in ((ksum, row.pk), (vsum, row.pv)):  # take the selected leaves out of their runs
+        own = (_rows(prefix, leaf + 1) - _rows(prefix, leaf)) * real.unsqueeze(-1)
+        total.scatter_add_(1, group.unsqueeze(-1).expand(-1, -1, total.shape[2]), -own)
+    count = count.scatter_add(1, group, -(real * row.bs).to(count.dtype))
+    safe = count.clamp_min(1.0)
+    logits = scale * torch.einsum("hd,hgd->hg", q, ksum / safe.unsqueeze(-1)) + safe.log()
+    return logits.masked_fill(count < 0.5, float("-inf")), vsum / safe.unsqueeze(-1)
