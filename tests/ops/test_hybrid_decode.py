@@ -155,3 +155,29 @@ def test_refuses_a_different_batch():
     state.attend(q, q, q)
     with pytest.raises(ValueError, match="batch rows"):
         state.attend(q[:1], q[:1], q[:1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_compiled_step_equals_the_torch_path(dtype):
+    """On CPU a step runs the compiled kernel; inside ``hybrid.torch_path()`` the torch ops. Both
+    give the same outputs, with the descent active (default options, 3000 keys: 750 leaves
+    against 128 candidates), a row that leaves a partial leaf, and a padded one."""
+    from subquad.ops import hybrid
+
+    H, T, D = 3, 3000, 16
+    q, k, v = (_randn(2, H, T + 3, D, seed=s, dtype=dtype) for s in (22, 23, 24))
+    k[:, :, 1000:1004] += 2.0 * q[:, :, -1:]  # a leaf the last query should find
+    outs = []
+    for compiled in (True, False):
+        state = HybridDecodeState()
+        state.attend(q[:, :, :T], k[:, :, :T], v[:, :, :T])
+        steps = []
+        for j in range(T, T + 3):
+            if compiled:
+                steps.append(state.attend(q[:, :, j: j + 1], k[:, :, j: j + 1], v[:, :, j: j + 1]))
+            else:
+                with hybrid.torch_path():
+                    steps.append(state.attend(q[:, :, j: j + 1], k[:, :, j: j + 1], v[:, :, j: j + 1]))
+        outs.append(torch.cat(steps, 2))
+    tol = 1e-5 if dtype == torch.float32 else 1e-10
+    torch.testing.assert_close(outs[0], outs[1], rtol=tol, atol=tol)

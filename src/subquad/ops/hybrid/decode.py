@@ -32,7 +32,9 @@ with the selected keys taken out; the parts from :func:`subquad.ops.hybrid.plan`
 same numbers: the op groups leaves by similarity within sealed chunks and its queries share a
 descent per block of 64, while a decoder has one query and groups by position. A prefill (the
 first call, several tokens) runs the parallel causal op and indexes its keys; later tokens decode
-here. Tested against dense references of the selection and of the attention it implies.
+here, on CPU by a compiled kernel (``decode_kernel.py``, numba) that computes what the torch
+path here computes. Tested against dense references of the selection and of the attention it
+implies.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .index import numpy_path
 from .options import HybridOptions, candidate_count, plan
 
 __all__ = ["HybridDecodeState"]
@@ -49,35 +52,33 @@ FANOUT = 8  # children per run in the descent
 
 class _Row:
     """One batch row's real keys ``(H, T, D)`` and values ``(H, T, Dv)`` (capacity grows by
-    doubling) and the leaf prefix sums ``(H, leaves + 1, D)`` of keys, squared keys and values."""
+    doubling) and the leaf prefix sums ``ps`` ``(H, leaves + 1, 2 D + Dv)``: of keys, squared keys
+    and values, side by side (one gather reads all three)."""
 
     def __init__(self, block_size: int):
         self.bs = block_size
         self.count = 0
-        self.k = self.v = self.pk = self.pk2 = self.pv = None
+        self.k = self.v = self.ps = None
 
     def extend(self, k: Tensor, v: Tensor) -> None:
         """Append keys ``(H, n, D)`` and values ``(H, n, Dv)``."""
-        n = k.shape[1]
+        n, bs = k.shape[1], self.bs
         if self.k is None:
             H, cap = k.shape[0], max(64, n)
-            self.k = k.new_empty(H, cap, k.shape[2])
-            self.v = v.new_empty(H, cap, v.shape[2])
-            self.pk = k.new_zeros(H, cap // self.bs + 1, k.shape[2])
-            self.pk2, self.pv = torch.zeros_like(self.pk), v.new_zeros(H, cap // self.bs + 1, v.shape[2])
+            self.k, self.v = k.new_empty(H, cap, k.shape[2]), v.new_empty(H, cap, v.shape[2])
+            self.ps = k.new_zeros(H, cap // bs + 1, 2 * k.shape[2] + v.shape[2])
         if self.count + n > self.k.shape[1]:
             self._grow(max(2 * self.k.shape[1], self.count + n))
-        old_leaves = self.count // self.bs
+        old_leaves = self.count // bs
         self.k[:, self.count: self.count + n] = k
         self.v[:, self.count: self.count + n] = v
         self.count += n
-        new_leaves = self.count // self.bs
+        new_leaves = self.count // bs
         if new_leaves > old_leaves:
-            span = slice(old_leaves * self.bs, new_leaves * self.bs)
-            for prefix, x in ((self.pk, self.k[:, span]), (self.pk2, self.k[:, span].square()),
-                              (self.pv, self.v[:, span])):
-                leaf = x.unflatten(1, (-1, self.bs)).sum(2)  # (H, new leaves, D)
-                prefix[:, old_leaves + 1: new_leaves + 1] = prefix[:, old_leaves: old_leaves + 1] + leaf.cumsum(1)
+            keys = self.k[:, old_leaves * bs: new_leaves * bs]
+            x = torch.cat([keys, keys.square(), self.v[:, old_leaves * bs: new_leaves * bs]], -1)
+            leaf = x.unflatten(1, (-1, bs)).sum(2)  # (H, new leaves, 2 D + Dv)
+            self.ps[:, old_leaves + 1: new_leaves + 1] = self.ps[:, old_leaves: old_leaves + 1] + leaf.cumsum(1)
 
     def _grow(self, cap: int) -> None:
         def grown(t: Tensor, rows: int) -> Tensor:
@@ -85,30 +86,39 @@ class _Row:
             out[:, : t.shape[1]] = t
             return out
 
-        self.k, self.v = grown(self.k, cap), grown(self.v, cap)
-        self.pk, self.pk2, self.pv = (grown(t, cap // self.bs + 1) for t in (self.pk, self.pk2, self.pv))
+        self.k, self.v, self.ps = grown(self.k, cap), grown(self.v, cap), grown(self.ps, cap // self.bs + 1)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.pk, self.pk2, self.pv) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.ps) if t is not None)
+
+    def run_sums(self, start: Tensor, end: Tensor) -> tuple[Tensor, Tensor]:
+        """Runs of leaves ``[start, end)`` ``(H, R)`` -> their sums ``(H, R, 2 D + Dv)`` (keys,
+        squared keys, values) and key counts ``(H, R)``."""
+        both = _rows(self.ps, torch.cat([end, start], 1))
+        R = start.shape[1]
+        return both[:, :R] - both[:, R:], ((end - start) * self.bs).to(self.ps.dtype)
 
 
-def _run_stats(row: _Row, start: Tensor, end: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Runs of leaves ``[start, end)`` ``(H, R)`` -> key sums ``(H, R, D)``, squared-key sums, counts."""
-    ksum = _rows(row.pk, end) - _rows(row.pk, start)
-    k2sum = _rows(row.pk2, end) - _rows(row.pk2, start)
-    return ksum, k2sum, ((end - start) * row.bs).to(ksum.dtype)
+def _rows(x: Tensor, index: Tensor) -> Tensor:
+    """``x[h, index[h, i]]``: x ``(H, T, D)`` (contiguous), index ``(H, I)`` -> ``(H, I, D)``."""
+    H, T, D = x.shape
+    flat = index + T * torch.arange(H, device=index.device).unsqueeze(1)
+    return x.view(H * T, D).index_select(0, flat.flatten()).view(H, -1, D)
 
 
 def run_scores(row: _Row, q: Tensor, start: Tensor, end: Tensor, scale: float) -> Tensor:
     """Estimated log-sum-exp of ``scale q.k`` over each run of leaves ``[start, end)`` ``(H, R)``
     (q ``(H, D)``): Gaussian logits with the run's mean and per-coordinate variance; -inf for an
     empty run."""
-    ksum, k2sum, n = _run_stats(row, start, end)
-    safe = n.clamp_min(1.0).unsqueeze(-1)
-    mean = ksum / safe
-    var = (k2sum / safe - mean.square()).clamp_min(0.0)
-    qe = q.unsqueeze(1)
-    score = scale * (mean * qe).sum(-1) + 0.5 * scale**2 * (var * qe.square()).sum(-1) + n.clamp_min(1.0).log()
+    D = q.shape[1]
+    sums, n = row.run_sums(start, end)
+    safe = n.clamp_min(1.0)
+    weighted = sums[..., :D] * q.unsqueeze(1)  # n mu_d q_d
+    mean_logit = weighted.sum(-1) / safe
+    # sum_d q_d^2 var_d = sum_d q_d^2 E[k_d^2] - sum_d (q_d mu_d)^2
+    spread = torch.bmm(sums[..., D: 2 * D], q.square().unsqueeze(-1)).squeeze(-1) / safe
+    spread = (spread - weighted.square().sum(-1) / safe.square()).clamp_min(0.0)
+    score = scale * mean_logit + 0.5 * scale**2 * spread + safe.log()
     return score.masked_fill(n == 0, float("-inf"))
 
 
@@ -153,6 +163,8 @@ class HybridDecodeState:
     def __init__(self, options: HybridOptions | None = None):
         self.options = options or HybridOptions()
         self.candidates = candidate_count(self.options)
+        # the parts of the budget (at any length past the window; a shorter row's window is all of it)
+        self.plan = plan(self.options, 1 << 20, True)
         self.rows: list[_Row] = []
 
     @property
@@ -170,6 +182,9 @@ class HybridDecodeState:
             self.rows = [_Row(self.options.block_size) for _ in range(B)]
         if len(self.rows) != B:
             raise ValueError(f"HybridDecodeState holds {len(self.rows)} batch rows; this call has {B}")
+        if n == 1 and key_padding_mask is None and B == 1 and self.rows[0].count > 0:  # the common step
+            self.rows[0].extend(k[0], v[0])
+            return self._step(self.rows[0], q[0, :, 0], scale).to(q.dtype).view(1, H, 1, -1)
         out = q.new_zeros(B, H, n, v.shape[-1])
         options = {f: getattr(self.options, f) for f in self.options.__dataclass_fields__}
         for b, row in enumerate(self.rows):
@@ -193,7 +208,7 @@ class HybridDecodeState:
     def choose(self, row: _Row, q: Tensor, scale: float) -> tuple[int, int, Tensor]:
         """For query q ``(H, D)`` at the row's last position: the window start ``w0``, the leaves
         before it ``L`` and the selected leaves ``(H, S)`` (-1: none)."""
-        p = plan(self.options, row.count, True)
+        p = self.plan
         w0 = max(0, row.count - p.window) // row.bs * row.bs
         L = w0 // row.bs
         if L == 0:
@@ -204,17 +219,28 @@ class HybridDecodeState:
         return w0, L, select_leaves(row, q, cand, p.num_selected, scale)
 
     def _step(self, row: _Row, q: Tensor, scale: float) -> Tensor:
-        """The output ``(H, Dv)`` of query q ``(H, D)`` at the row's last position."""
+        """The output ``(H, Dv)`` of query q ``(H, D)`` at the row's last position: on CPU by the
+        compiled kernel (``decode_kernel.py``), elsewhere (and inside ``hybrid.torch_path()``) in torch."""
+        kernel = _kernel(q)
+        if kernel is not None:
+            import numba
+
+            p = self.plan
+            numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+            out = kernel.decode_step(row.k.numpy(), row.v.numpy(), row.ps.numpy(), q.contiguous().numpy(), row.count,
+                                     row.bs, scale, p.window, p.sinks, self.candidates, p.beam, p.num_selected,
+                                     p.num_summaries, FANOUT)
+            return torch.from_numpy(out)
         w0, L, selected = self.choose(row, q, scale)
-        logits = [scale * torch.einsum("hd,htd->ht", q, row.k[:, w0: row.count])]
+        logits = [scale * torch.bmm(row.k[:, w0: row.count], q.unsqueeze(-1)).squeeze(-1)]
         values = [row.v[:, w0: row.count]]
         if L > 0:
-            num_summaries = plan(self.options, row.count, True).num_summaries
-            for part in (_leaf_terms(row, q, selected, scale), _summaries(row, q, selected, L, num_summaries, scale)):
+            for part in (_leaf_terms(row, q, selected, scale), _summaries(row, q, selected, L, self.plan.num_summaries,
+                                                                          scale)):
                 logits.append(part[0])
                 values.append(part[1])
         weights = torch.softmax(torch.cat(logits, 1), dim=1)
-        return torch.einsum("ht,htd->hd", weights, torch.cat(values, 1))
+        return torch.bmm(weights.unsqueeze(1), torch.cat(values, 1)).squeeze(1)
 
     def select(self, index: Tensor) -> None:
         """Keep the batch rows ``index`` (beam search's reordering)."""
@@ -226,14 +252,22 @@ class HybridDecodeState:
         return sum(r.nbytes() for r in self.rows)
 
 
+def _kernel(q: Tensor):
+    """The compiled decode step when q may run in numpy and the kernel is on, else None."""
+    from . import _KERNEL_ON
+
+    if not (_KERNEL_ON[0] and numpy_path(q)):
+        return None
+    try:
+        from . import decode_kernel
+    except ImportError:  # pragma: no cover - numba is a dependency; a platform without its wheels
+        return None
+    return decode_kernel
+
+
 def _leaf_keys(leaves: Tensor, bs: int) -> Tensor:
     """Key indices ``(H, C bs)`` of leaves ``(H, C)`` (-1 counts as leaf 0)."""
     return (leaves.clamp_min(0).unsqueeze(-1) * bs + torch.arange(bs, device=leaves.device)).flatten(1)
-
-
-def _rows(x: Tensor, index: Tensor) -> Tensor:
-    """``x[h, index[h, i]]``: x ``(H, T, D)``, index ``(H, I)`` -> ``(H, I, D)``."""
-    return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[2]))
 
 
 def select_leaves(row: _Row, q: Tensor, cand: Tensor, num_selected: int, scale: float) -> Tensor:
@@ -243,7 +277,7 @@ def select_leaves(row: _Row, q: Tensor, cand: Tensor, num_selected: int, scale: 
     dup = torch.zeros_like(cand, dtype=torch.bool)
     dup[:, 1:] = cand[:, 1:] == cand[:, :-1]  # a sink the descent reached again counts once
     cand = cand.masked_fill(dup, -1)
-    logits = scale * torch.einsum("hd,hkd->hk", q, _rows(row.k, _leaf_keys(cand, row.bs)))
+    logits = scale * torch.bmm(_rows(row.k, _leaf_keys(cand, row.bs)), q.unsqueeze(-1)).squeeze(-1)
     lse = logits.unflatten(1, (-1, row.bs)).logsumexp(-1).masked_fill(cand < 0, float("-inf"))
     best = lse.topk(min(num_selected, cand.shape[1]), dim=1)
     return cand.gather(1, best.indices).masked_fill(best.values == float("-inf"), -1)
@@ -252,7 +286,7 @@ def select_leaves(row: _Row, q: Tensor, cand: Tensor, num_selected: int, scale: 
 def _leaf_terms(row: _Row, q: Tensor, selected: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """Logits ``(H, S bs)`` (-inf for -1 leaves) and values ``(H, S bs, Dv)`` of the selected keys."""
     keys = _leaf_keys(selected, row.bs)
-    logits = scale * torch.einsum("hd,hkd->hk", q, _rows(row.k, keys))
+    logits = scale * torch.bmm(_rows(row.k, keys), q.unsqueeze(-1)).squeeze(-1)
     none = (selected < 0).repeat_interleave(row.bs, dim=1)
     return logits.masked_fill(none, float("-inf")), _rows(row.v, keys)
 
@@ -266,15 +300,16 @@ def _summaries(row: _Row, q: Tensor, selected: Tensor, leaves: int, num_summarie
     G = min(num_summaries, leaves)
     bounds = torch.tensor([g * leaves // G for g in range(G + 1)], device=device)
     start, end = bounds[:-1].expand(H, G), bounds[1:].expand(H, G)
-    ksum, _, count = _run_stats(row, start, end)
-    vsum = _rows(row.pv, end) - _rows(row.pv, start)
+    D = q.shape[1]
+    sums, count = row.run_sums(start, end)
+    ksum, vsum = sums[..., :D], sums[..., 2 * D:]
     real = selected >= 0
     leaf = selected.clamp_min(0)
     group = torch.bucketize(leaf, bounds[1:], right=True)  # (H, S): the run holding each selected leaf
-    for total, prefix in ((ksum, row.pk), (vsum, row.pv)):  # take the selected leaves out of their runs
-        own = (_rows(prefix, leaf + 1) - _rows(prefix, leaf)) * real.unsqueeze(-1)
-        total.scatter_add_(1, group.unsqueeze(-1).expand(-1, -1, total.shape[2]), -own)
+    own = (_rows(row.ps, leaf + 1) - _rows(row.ps, leaf)) * real.unsqueeze(-1)  # the selected leaves' sums
+    ksum = ksum.scatter_add(1, group.unsqueeze(-1).expand(-1, -1, D), -own[..., :D])
+    vsum = vsum.scatter_add(1, group.unsqueeze(-1).expand(-1, -1, vsum.shape[2]), -own[..., 2 * D:])
     count = count.scatter_add(1, group, -(real * row.bs).to(count.dtype))
     safe = count.clamp_min(1.0)
-    logits = scale * torch.einsum("hd,hgd->hg", q, ksum / safe.unsqueeze(-1)) + safe.log()
+    logits = scale * torch.bmm(ksum, q.unsqueeze(-1)).squeeze(-1) / safe + safe.log()
     return logits.masked_fill(count < 0.5, float("-inf")), vsum / safe.unsqueeze(-1)
