@@ -9,7 +9,8 @@ intermediate 512, vocabulary 1000), float32, eval mode, ``torch.manual_seed(0)``
 ``exact`` (not retrofitted, SDPA) with transformers' DynamicCache (which concatenates the whole
 cache each step) and with its StaticCache (allocated once); ``linear`` through its state; ``linear`` with a
 DynamicCache (each new token recomputes the causal linear attention over all kept keys);
-``performer`` (128 features) and ``hedgehog`` (no window), both through their state. For each N,
+``performer`` (128 features) and ``hedgehog`` (no window), both through their state; ``hybrid``
+(default budget 64) through its state (the keys and values with leaf prefix sums). For each N,
 every row prefills the same N random token ids into a fresh cache (timed once), then runs
 ``--steps`` single-token forward calls that each append one more (the same random ids for every
 row), under ``torch.no_grad()``; the rows take turns token by token, so a slow spell of the
@@ -18,6 +19,10 @@ machine touches all of them. Reported: the median seconds per token with its int
 (``StateCache.nbytes()``; a DynamicCache's or StaticCache's keys and values). Ratios are to the
 faster exact row. One untimed warm-up per row (a short
 prefill and steps) runs first.
+
+A second table times one layer's attention alone (:func:`attention_steps`: 4 heads of 64, no
+model around it), where the whole-token time above is bounded below by the rest of the model
+(embedding, MLPs, the transformers call: about 3 ms per token here at any length).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ ROWS = {
     "linear (DynamicCache)": ("linear", {}, "dynamic"),
     "performer": ("performer", {"num_features": 128}, "state"),
     "hedgehog": ("hedgehog", {}, "state"),
+    "hybrid": ("hybrid", {}, "state"),
 }
 
 
@@ -137,6 +143,45 @@ def measure(models: dict[str, torch.nn.Module], n: int, steps: int) -> list[dict
     return rows
 
 
+def attention_steps(n: int, steps: int, heads: int = 4, dim: int = 64) -> list[dict]:
+    """One layer's attention alone for ``steps`` new tokens after ``n`` cached ones (B=1, float32):
+    exact (SDPA of the new query over preallocated key and value buffers, as a StaticCache holds
+    them), hybrid through :class:`~subquad.ops.hybrid.HybridDecodeState` and linear through
+    :class:`~subquad.ops.linear.state.KernelState` (elu + 1 features), taking turns token by token.
+    The prefills are not timed."""
+    import torch.nn.functional as F
+
+    from subquad.ops.hybrid import HybridDecodeState
+    from subquad.ops.linear.state import KernelState
+
+    g = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(1, heads, n + steps, dim, generator=g) for _ in range(3))
+    hybrid, linear = HybridDecodeState(), KernelState()
+    phi = lambda x: F.elu(x) + 1  # noqa: E731
+    with torch.no_grad():
+        hybrid.attend(q[:, :, :n], k[:, :, :n], v[:, :, :n])
+        linear.attend(phi(q[:, :, :n]), phi(k[:, :, :n]), v[:, :, :n])
+        calls = {
+            "exact (SDPA)": lambda t: F.scaled_dot_product_attention(q[:, :, t: t + 1], k[:, :, : t + 1],
+                                                                     v[:, :, : t + 1]),
+            "hybrid": lambda t: hybrid.attend(q[:, :, t: t + 1], k[:, :, t: t + 1], v[:, :, t: t + 1]),
+            "linear": lambda t: linear.attend(phi(q[:, :, t: t + 1]), phi(k[:, :, t: t + 1]), v[:, :, t: t + 1]),
+        }
+        times = {name: [] for name in calls}
+        for t in range(n, n + steps):
+            for name, call in calls.items():
+                start = time.perf_counter()
+                call(t)
+                times[name].append(time.perf_counter() - start)
+    exact = statistics.median(times["exact (SDPA)"])
+    rows = []
+    for name, ts in times.items():
+        q1, _, q3 = statistics.quantiles(ts, n=4, method="inclusive")
+        med = statistics.median(ts)
+        rows.append({"n": n, "row": name, "s_per_token": med, "q1": q1, "q3": q3, "speedup": exact / med})
+    return rows
+
+
 def _ms(x: float) -> str:
     return f"{x * 1e3:.2f}"
 
@@ -156,6 +201,15 @@ def markdown(res: dict) -> str:
             ratio = "-" if r["ratio_to_exact"] is None else f"{r['ratio_to_exact']:.2f}x"
             out.append(f"| {r['row']} | {r['cache']} | {_ms(r['s_per_token'])} | {_ms(r['q1'])} - {_ms(r['q3'])} "
                        f"| {ratio} | {r['prefill_s']:.3f} | {r['cache_bytes'] / 2 ** 20:.3f} |")
+        out.append("")
+    if res.get("attention"):
+        out += ["## One layer's attention alone", "",
+                f"{m['attention']}. Per token: the median over the steps (ms) and the interquartile range; "
+                "speed-up: exact's median / the row's.", "",
+                "| N | row | ms / token (median) | IQR (ms) | speed-up over exact |", "|---|---|---|---|---|"]
+        for r in res["attention"]:
+            out.append(f"| {r['n']} | {r['row']} | {_ms(r['s_per_token'])} | {_ms(r['q1'])} - {_ms(r['q3'])} "
+                       f"| {r['speedup']:.2f}x |")
         out.append("")
     return "\n".join(out)
 
@@ -184,10 +238,17 @@ def main() -> None:
         for r in rows[-len(models):]:
             print(f"  {r['row']:<22} {_ms(r['s_per_token'])} ms/token, prefill {r['prefill_s']:.3f} s, "
                   f"cache {r['cache_bytes'] / 2 ** 20:.3f} MiB", flush=True)
-    res = {"rows": rows, "meta": {
+    attention = []
+    for n in args.n:
+        attention += attention_steps(n, 4 * args.steps)
+        print("  attention alone: " + ", ".join(f"{r['row']} {_ms(r['s_per_token'])} ms" for r in attention[-3:]),
+              flush=True)
+    res = {"rows": rows, "attention": attention, "meta": {
         "model": "random LlamaForCausalLM, 2 layers, hidden 256, 4 heads of 64 (4 key/value heads), intermediate "
                  "512, vocabulary 1000, float32",
         "options": {name: {"method": ROWS[name][0], "options": ROWS[name][1]} for name in models},
+        "attention": f"B=1, 4 heads of 64, float32, {4 * args.steps} single-token steps after N cached tokens, "
+                     "the rows taking turns, no model around them",
         "n": args.n, "steps": args.steps, "threads": torch.get_num_threads(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
         "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),

@@ -9,7 +9,7 @@ import torch
 
 import subquad
 from subquad.ops.hybrid import HybridOptions
-from subquad.ops.hybrid.decode import HybridDecodeState, _Row, candidate_leaves, select_leaves
+from subquad.ops.hybrid.decode import HybridDecodeState, candidate_leaves, select_leaves
 
 SMALL = HybridOptions(budget=24, block_size=2, window=4, num_selected=3, num_summaries=2, candidates=4, beam=2,
                       chunk_size=8)
@@ -19,8 +19,8 @@ def _randn(*shape, seed=0, dtype=torch.float64):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
 
-def _row(k, v, bs):
-    row = _Row(bs)
+def _row(k, v, bs, state=None):
+    row = (state or HybridDecodeState(HybridOptions(block_size=bs))).new_row()
     row.extend(k[:, :5], v[:, :5])  # in pieces: the prefix sums must not depend on how keys arrive
     for j in range(5, k.shape[1]):
         row.extend(k[:, j: j + 1], v[:, j: j + 1])
@@ -50,7 +50,7 @@ def test_step_is_the_attention_its_choice_implies(T):
     H, D = 3, 8
     k, v, q = _randn(H, T, D, seed=1), _randn(H, T, 5, seed=2), _randn(H, D, seed=3)
     state = HybridDecodeState(SMALL)
-    row = _row(k, v, SMALL.block_size)
+    row = _row(k, v, SMALL.block_size, state)
     w0, L, selected = state.choose(row, q, 0.4)
     assert w0 == max(0, T - 4) // 2 * 2 and L == w0 // 2
     G = min(2, L)
@@ -160,13 +160,14 @@ def test_refuses_a_different_batch():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 def test_compiled_step_equals_the_torch_path(dtype):
     """On CPU a step runs the compiled kernel; inside ``hybrid.torch_path()`` the torch ops. Both
-    give the same outputs, with the descent active (default options, 3000 keys: 750 leaves
-    against 128 candidates), a row that leaves a partial leaf, and a padded one."""
+    give the same outputs, with the descent active (default options, 9000 keys: 2250 leaves against
+    128 candidates, so it starts from runs of 32 leaves read from the pyramid), and steps that
+    leave a partial leaf."""
     from subquad.ops import hybrid
 
-    H, T, D = 3, 3000, 16
+    H, T, D = 2, 9000, 16
     q, k, v = (_randn(2, H, T + 3, D, seed=s, dtype=dtype) for s in (22, 23, 24))
-    k[:, :, 1000:1004] += 2.0 * q[:, :, -1:]  # a leaf the last query should find
+    k[:, :, 5000:5004] += 2.0 * q[:, :, -1:]  # a leaf the last query should find
     outs = []
     for compiled in (True, False):
         state = HybridDecodeState()

@@ -16,9 +16,10 @@ One new query at position ``t`` (``T = t + 1`` keys including its own) sees:
   ``num_selected`` with the largest exact log-sum-exp of the query's logits over their keys,
   chosen from ``candidates`` leaves (all of them when ``L <= candidates``; the first ``sinks``
   leaves always). The candidates come from a **descent over runs of leaves by position**: runs
-  of ``candidates / beam`` leaves grouped eight to a parent; starting from the coarsest level
-  with at most ``8 beam`` runs, each level keeps the ``beam`` runs whose estimated log-sum-exp is
-  largest and splits them into their eight children. A run of ``n`` keys with mean ``mu`` and
+  of ``candidates / beam`` leaves, eight to a parent run eight times as long, each aligned to
+  multiples of its length; starting from the finest level with at most ``8 beam`` runs, each
+  level keeps the ``beam`` runs whose estimated log-sum-exp is largest and splits them into their
+  eight children. A run of ``n`` keys with mean ``mu`` and
   per-coordinate variance ``var`` is estimated ``s q.mu + s^2/2 sum_d q_d^2 var_d + log n``, the
   log-sum-exp of Gaussian logits with that mean and (diagonal) variance. Cost per query:
   ``O(beam log(L) D)`` for the descent and ``O(candidates block_size D)`` for the leaves;
@@ -39,6 +40,7 @@ implies.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -53,12 +55,18 @@ FANOUT = 8  # children per run in the descent
 class _Row:
     """One batch row's real keys ``(H, T, D)`` and values ``(H, T, Dv)`` (capacity grows by
     doubling) and the leaf prefix sums ``ps`` ``(H, leaves + 1, 2 D + Dv)``: of keys, squared keys
-    and values, side by side (one gather reads all three)."""
+    and values, side by side (one gather reads all three).
 
-    def __init__(self, block_size: int):
-        self.bs = block_size
+    For the compiled descent also ``pyramid`` ``(H, rows, 2 D)``: level ``l`` (rows from
+    ``offsets[l]``) holds the key parts of ``ps`` at every multiple of ``base * FANOUT**l``
+    leaves, so that the runs a level scores read consecutive rows rather than rows far apart in
+    ``ps`` (a copy of a quarter of its key part and less; the same numbers)."""
+
+    def __init__(self, block_size: int, base: int):
+        self.bs, self.base = block_size, base
         self.count = 0
-        self.k = self.v = self.ps = None
+        self.k = self.v = self.ps = self.pyramid = None
+        self.offsets: list[int] = []
 
     def extend(self, k: Tensor, v: Tensor) -> None:
         """Append keys ``(H, n, D)`` and values ``(H, n, Dv)``."""
@@ -67,6 +75,7 @@ class _Row:
             H, cap = k.shape[0], max(64, n)
             self.k, self.v = k.new_empty(H, cap, k.shape[2]), v.new_empty(H, cap, v.shape[2])
             self.ps = k.new_zeros(H, cap // bs + 1, 2 * k.shape[2] + v.shape[2])
+            self._layout_pyramid()
         if self.count + n > self.k.shape[1]:
             self._grow(max(2 * self.k.shape[1], self.count + n))
         old_leaves = self.count // bs
@@ -79,6 +88,18 @@ class _Row:
             x = torch.cat([keys, keys.square(), self.v[:, old_leaves * bs: new_leaves * bs]], -1)
             leaf = x.unflatten(1, (-1, bs)).sum(2)  # (H, new leaves, 2 D + Dv)
             self.ps[:, old_leaves + 1: new_leaves + 1] = self.ps[:, old_leaves: old_leaves + 1] + leaf.cumsum(1)
+            self._sample(old_leaves, new_leaves)
+
+    def _sample(self, old: int, new: int) -> None:
+        """Copy the prefix rows at multiples of each level's run length between leaf ``old``
+        (exclusive) and ``new`` into the pyramid."""
+        D = self.k.shape[2]
+        for level, offset in enumerate(self.offsets):
+            size = self.base * FANOUT**level
+            first, last = old // size + 1, new // size
+            if first <= last:
+                rows = self.ps[:, first * size: last * size + 1: size, : 2 * D]
+                self.pyramid[:, offset + first: offset + last + 1] = rows
 
     def _grow(self, cap: int) -> None:
         def grown(t: Tensor, rows: int) -> Tensor:
@@ -87,9 +108,21 @@ class _Row:
             return out
 
         self.k, self.v, self.ps = grown(self.k, cap), grown(self.v, cap), grown(self.ps, cap // self.bs + 1)
+        self._layout_pyramid()
+
+    def _layout_pyramid(self) -> None:
+        """Levels of runs up to the capacity's leaves, each with room for every multiple."""
+        cap_leaves, D = self.ps.shape[1] - 1, self.k.shape[2]
+        self.offsets, rows, level = [], 0, 0
+        while self.base * FANOUT**level <= cap_leaves:
+            self.offsets.append(rows)
+            rows += cap_leaves // (self.base * FANOUT**level) + 1
+            level += 1
+        self.pyramid = self.ps.new_zeros(self.ps.shape[0], max(rows, 1), 2 * D)
+        self._sample(-1, self.count // self.bs)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.ps) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.ps, self.pyramid) if t is not None)
 
     def run_sums(self, start: Tensor, end: Tensor) -> tuple[Tensor, Tensor]:
         """Runs of leaves ``[start, end)`` ``(H, R)`` -> their sums ``(H, R, 2 D + Dv)`` (keys,
@@ -119,26 +152,33 @@ def run_scores(row: _Row, q: Tensor, start: Tensor, end: Tensor, scale: float) -
     spread = torch.bmm(sums[..., D: 2 * D], q.square().unsqueeze(-1)).squeeze(-1) / safe
     spread = (spread - weighted.square().sum(-1) / safe.square()).clamp_min(0.0)
     score = scale * mean_logit + 0.5 * scale**2 * spread + safe.log()
-    return score.masked_fill(n == 0, float("-inf"))
+    return score.masked_fill(n <= 0, float("-inf"))
+
+
+def start_level(first: int, leaves: int, base: int, beam: int) -> int:
+    """The descent's first level: the finest whose runs (``base * FANOUT**level`` leaves, aligned
+    to multiples of that length) over ``[first, leaves)`` number at most ``FANOUT * beam``."""
+    level = 0
+    while -(-leaves // (base * FANOUT**level)) - first // (base * FANOUT**level) > FANOUT * beam:
+        level += 1
+    return level
 
 
 def candidate_leaves(row: _Row, q: Tensor, first: int, leaves: int, candidates: int, beam: int,
                      scale: float) -> Tensor:
-    """``(H, C)`` leaf indices in ``[first, leaves)`` for the exact scoring (may repeat; -1 where a
-    run ran past the end): every leaf when there are at most ``candidates``, else the leaves of the
-    ``beam`` runs of ``candidates / beam`` leaves the descent ends on (see the module docstring)."""
+    """``(H, C)`` leaf indices in ``[first, leaves)`` for the exact scoring (-1: none): every leaf
+    when there are at most ``candidates``, else the leaves of the ``beam`` runs of ``candidates /
+    beam`` leaves the descent ends on (see the module docstring). Runs are aligned to multiples of
+    their length and clipped to ``[first, leaves)``."""
     H, device = q.shape[0], q.device
-    count = leaves - first
-    if count <= candidates:
-        return (first + torch.arange(count, device=device)).expand(H, count)
+    if leaves - first <= candidates:
+        return (first + torch.arange(leaves - first, device=device)).expand(H, -1)
     base = candidates // beam  # leaves per final run
-    level = 0
-    while -(-count // (base * FANOUT**level)) > FANOUT * beam:
-        level += 1
+    level = start_level(first, leaves, base, beam)
     size = base * FANOUT**level
-    start = (first + torch.arange(0, count, size, device=device)).expand(H, -1)
+    start = torch.arange(first // size * size, leaves, size, device=device).expand(H, -1)
     while True:
-        scores = run_scores(row, q, start, (start + size).clamp_max(leaves), scale)
+        scores = run_scores(row, q, start.clamp(first, leaves), (start + size).clamp(first, leaves), scale)
         keep = scores.topk(min(beam, scores.shape[1]), dim=1).indices
         start = start.gather(1, keep)
         if level == 0:
@@ -146,9 +186,8 @@ def candidate_leaves(row: _Row, q: Tensor, first: int, leaves: int, candidates: 
         level -= 1
         size //= FANOUT
         start = (start.unsqueeze(-1) + size * torch.arange(FANOUT, device=device)).flatten(1)
-        start = start.clamp_max(leaves)  # runs past the end are empty: -inf
     leaf = (start.unsqueeze(-1) + torch.arange(base, device=device)).flatten(1)
-    return leaf.masked_fill(leaf >= leaves, -1)
+    return leaf.masked_fill((leaf < first) | (leaf >= leaves), -1)
 
 
 class HybridDecodeState:
@@ -167,6 +206,10 @@ class HybridDecodeState:
         self.plan = plan(self.options, 1 << 20, True)
         self.rows: list[_Row] = []
 
+    def new_row(self) -> _Row:
+        """An empty row for these options (its pyramid's runs: ``candidates / beam`` leaves and up)."""
+        return _Row(self.options.block_size, self.candidates // self.plan.beam)
+
     @property
     def seen(self) -> int:
         """Real tokens held by the longest row."""
@@ -179,7 +222,7 @@ class HybridDecodeState:
         B, H, n, D = q.shape
         scale = D**-0.5 if scale is None else scale
         if not self.rows:
-            self.rows = [_Row(self.options.block_size) for _ in range(B)]
+            self.rows = [self.new_row() for _ in range(B)]
         if len(self.rows) != B:
             raise ValueError(f"HybridDecodeState holds {len(self.rows)} batch rows; this call has {B}")
         if n == 1 and key_padding_mask is None and B == 1 and self.rows[0].count > 0:  # the common step
@@ -227,7 +270,8 @@ class HybridDecodeState:
 
             p = self.plan
             numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
-            out = kernel.decode_step(row.k.numpy(), row.v.numpy(), row.ps.numpy(), q.contiguous().numpy(), row.count,
+            out = kernel.decode_step(row.k.numpy(), row.v.numpy(), row.ps.numpy(), row.pyramid.numpy(),
+                                     np.asarray(row.offsets + [0], dtype=np.int64), q.contiguous().numpy(), row.count,
                                      row.bs, scale, p.window, p.sinks, self.candidates, p.beam, p.num_selected,
                                      p.num_summaries, FANOUT)
             return torch.from_numpy(out)

@@ -23,19 +23,26 @@ __all__ = ["decode_step"]
 
 
 @njit(cache=True, fastmath=_FAST)
-def _run_score(ps, h, a, e, q, bs, scale):
-    """Estimated log-sum-exp of the logits over leaves [a, e) of head h (see decode.run_scores)."""
+def _bound(ps, pyramid, offset, size, h, b, first, leaves):
+    """The key part of the prefix row at leaf ``b``: from the pyramid level of run length ``size``
+    (``offset``: its first row) when ``b`` is one of its multiples, else from ``ps``."""
+    if b != first and b != leaves and b % size == 0:
+        return pyramid[h, offset + b // size]
+    return ps[h, b]
+
+
+@njit(cache=True, fastmath=_FAST)
+def _run_score(lo, hi, n, q, scale):
+    """Estimated log-sum-exp of the logits over a run of ``n`` keys whose prefix rows at its ends
+    are ``lo`` and ``hi`` (see decode.run_scores)."""
     D = q.shape[0]
-    n = (e - a) * bs
     if n <= 0:
         return -np.inf
     mean_logit = second = square = q[0] * 0  # in the inputs' dtype (float32 sums vectorise)
     for d in range(D):
-        s1 = ps[h, e, d] - ps[h, a, d]
-        s2 = ps[h, e, D + d] - ps[h, a, D + d]
-        w = s1 * q[d]
+        w = (hi[d] - lo[d]) * q[d]
         mean_logit += w
-        second += s2 * q[d] * q[d]
+        second += (hi[D + d] - lo[D + d]) * q[d] * q[d]
         square += w * w
     spread = max(second / n - square / (n * n), 0.0)
     return scale * mean_logit / n + 0.5 * scale * scale * spread + math.log(n)
@@ -48,21 +55,24 @@ def _top(scores, k):
 
 
 @njit(cache=True, fastmath=_FAST)
-def _candidates(ps, h, q, first, leaves, candidates, beam, fanout, bs, scale):
-    """The candidate leaves of head h in [first, leaves) (-1: past the end)."""
-    count = leaves - first
-    if count <= candidates:
+def _candidates(ps, pyramid, offsets, h, q, first, leaves, candidates, beam, fanout, bs, scale):
+    """The candidate leaves of head h in [first, leaves) (-1: none), as decode.candidate_leaves."""
+    if leaves - first <= candidates:
         return np.arange(first, leaves)
     base = candidates // beam
     level = 0
-    while (count + base * fanout**level - 1) // (base * fanout**level) > fanout * beam:
+    while (leaves + base * fanout**level - 1) // (base * fanout**level) - first // (base * fanout**level) > \
+            fanout * beam:
         level += 1
     size = base * fanout**level
-    starts = np.arange(first, leaves, size)
+    starts = np.arange(first // size * size, leaves, size)
     while True:
         scores = np.empty(starts.shape[0])
         for i in range(starts.shape[0]):
-            scores[i] = _run_score(ps, h, starts[i], min(starts[i] + size, leaves), q, bs, scale)
+            a, e = min(max(starts[i], first), leaves), min(max(starts[i] + size, first), leaves)
+            lo = _bound(ps, pyramid, offsets[level], size, h, a, first, leaves)
+            hi = _bound(ps, pyramid, offsets[level], size, h, e, first, leaves)
+            scores[i] = _run_score(lo, hi, (e - a) * bs, q, scale)
         keep = starts[_top(scores, min(beam, starts.shape[0]))]
         if level == 0:
             break
@@ -71,17 +81,18 @@ def _candidates(ps, h, q, first, leaves, candidates, beam, fanout, bs, scale):
         starts = np.empty(keep.shape[0] * fanout, dtype=np.int64)
         for i in range(keep.shape[0]):
             for c in range(fanout):
-                starts[i * fanout + c] = min(keep[i] + c * size, leaves)
+                starts[i * fanout + c] = keep[i] + c * size
     out = np.empty(keep.shape[0] * base, dtype=np.int64)
     for i in range(keep.shape[0]):
         for j in range(base):
             leaf = keep[i] + j
-            out[i * base + j] = leaf if leaf < leaves else -1
+            out[i * base + j] = leaf if first <= leaf < leaves else -1
     return out
 
 
 @njit(cache=True, fastmath=_FAST)
-def _head(k, v, ps, h, q, T, bs, scale, window, sinks, candidates, beam, num_selected, num_summaries, fanout, out):
+def _head(k, v, ps, pyramid, offsets, h, q, T, bs, scale, window, sinks, candidates, beam, num_selected,
+          num_summaries, fanout, out):
     D, Dv = q.shape[0], v.shape[2]
     w0 = max(0, T - window) // bs * bs
     L = w0 // bs
@@ -90,7 +101,7 @@ def _head(k, v, ps, h, q, T, bs, scale, window, sinks, candidates, beam, num_sel
     G = min(num_summaries, L)
     if L > 0:
         s = min(sinks, L)
-        found = _candidates(ps, h, q, s, L, candidates, beam, fanout, bs, scale)
+        found = _candidates(ps, pyramid, offsets, h, q, s, L, candidates, beam, fanout, bs, scale)
         cand = np.concatenate((np.arange(s), found))
         lse = np.full(cand.shape[0], -np.inf)
         lg = np.empty(bs)
@@ -176,12 +187,13 @@ def _head(k, v, ps, h, q, T, bs, scale, window, sinks, candidates, beam, num_sel
 
 
 @njit(cache=True, fastmath=_FAST, parallel=True)
-def decode_step(k, v, ps, q, T, bs, scale, window, sinks, candidates, beam, num_selected, num_summaries,
-                fanout):
+def decode_step(k, v, ps, pyramid, offsets, q, T, bs, scale, window, sinks, candidates, beam, num_selected,
+                num_summaries, fanout):
     """The output ``(H, Dv)`` of query q ``(H, D)`` at position ``T - 1`` over keys ``k[:, :T]``
-    ``(H, cap, D)``, values ``v`` and leaf prefix sums ``ps`` (see :class:`.decode._Row`)."""
+    ``(H, cap, D)``, values ``v``, leaf prefix sums ``ps`` and their ``pyramid`` with level
+    ``offsets`` (see :class:`.decode._Row`)."""
     out = np.empty((q.shape[0], v.shape[2]), dtype=v.dtype)
     for h in prange(q.shape[0]):
-        _head(k, v, ps, h, q[h], T, bs, scale, window, sinks, candidates, beam, num_selected, num_summaries,
-              fanout, out)
+        _head(k, v, ps, pyramid, offsets, h, q[h], T, bs, scale, window, sinks, candidates, beam, num_selected,
+              num_summaries, fanout, out)
     return out
