@@ -129,3 +129,10 @@ def test_hybrid_prefill_is_the_parallel_op_and_a_padded_batch_generates_as_its_r
     for b, start in ((0, 0), (1, 5)):
         alone = model.generate(ids[b: b + 1, start:], cache=H.decoding_cache(model), **kw)
         assert torch.equal(both[b, 30:], alone[0, 30 - start:])
+
+
+def test_hybrid_refuses_a_dynamic_cache_and_names_its_own():
+    model = H.retrofit(tiny_llama(), "hybrid", **HYBRID_SMALL)
+    with pytest.raises(NotImplementedError, match="decoding_cache"):
+        model.generate(_ids(1, 12), cache=transformers.DynamicCache(), max_new_tokens=2, do_sample=False,
+                       pad_token_id=0)

@@ -229,8 +229,10 @@ def _subquad_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
         # decoding with a KV cache: the queries are the last n positions; left-pad them to m
         if not subquad.get_method(r.method).query_local:
             local = [name for name in retrofit_methods() if subquad.get_method(name).query_local]
+            hint = (" with this cache; pass cache=subquad.hf.decoding_cache(model) (its own decoding state)"
+                    if r.has_state else "")
             raise NotImplementedError(f"subquad retrofit: cached decoding (query length {n} < key length {m}) is "
-                                      f"supported for {local}, not {r.method!r}")
+                                      f"supported for {local}, not {r.method!r}{hint}")
         full = query.new_zeros(query.shape[0], query.shape[1], m, query.shape[3])
         full[:, :, m - n:] = query
         out = r(full, key, value, pad, True, scaling)[:, :, m - n:]
