@@ -53,8 +53,8 @@ FANOUT = 8  # children per run in the descent
 
 
 class _Row:
-    """One batch row's real keys ``(H, T, D)`` and values ``(H, T, Dv)`` (capacity grows by
-    doubling) and the leaf prefix sums ``ps`` ``(H, leaves + 1, 2 D + Dv)``: of keys, squared keys
+    """One batch row's real keys ``(H, T, D)`` and values ``(H, T, Dv)`` (room for an eighth more
+    than the prefill, then growing by a quarter) and the leaf prefix sums ``ps`` ``(H, leaves + 1, 2 D + Dv)``: of keys, squared keys
     and values, side by side (one gather reads all three).
 
     For the compiled descent also ``pyramid`` ``(H, rows, 2 D)``: level ``l`` (rows from
@@ -72,12 +72,12 @@ class _Row:
         """Append keys ``(H, n, D)`` and values ``(H, n, Dv)``."""
         n, bs = k.shape[1], self.bs
         if self.k is None:
-            H, cap = k.shape[0], max(64, n)
+            H, cap = k.shape[0], n + max(64, n // 8)
             self.k, self.v = k.new_empty(H, cap, k.shape[2]), v.new_empty(H, cap, v.shape[2])
             self.ps = k.new_zeros(H, cap // bs + 1, 2 * k.shape[2] + v.shape[2])
             self._layout_pyramid()
-        if self.count + n > self.k.shape[1]:
-            self._grow(max(2 * self.k.shape[1], self.count + n))
+        if self.count + n > self.k.shape[1]:  # grow by a quarter: amortised O(1), at most 25 % unused
+            self._grow(max(self.k.shape[1] + self.k.shape[1] // 4, self.count + n))
         old_leaves = self.count // bs
         self.k[:, self.count: self.count + n] = k
         self.v[:, self.count: self.count + n] = v

@@ -23,12 +23,17 @@ __all__ = ["decode_step"]
 
 
 @njit(cache=True, fastmath=_FAST)
-def _bound(ps, pyramid, offset, size, h, b, first, leaves):
-    """The key part of the prefix row at leaf ``b``: from the pyramid level of run length ``size``
-    (``offset``: its first row) when ``b`` is one of its multiples, else from ``ps``."""
+def _load_bound(ps, pyramid, offset, size, h, b, first, leaves, out):
+    """Copy into ``out`` ``(2 D,)`` the key part of the prefix row at leaf ``b``: from the pyramid
+    level of run length ``size`` (``offset``: its first row) when ``b`` is one of its multiples,
+    else from ``ps`` (indices, not views: a view costs a reference count per run)."""
     if b != first and b != leaves and b % size == 0:
-        return pyramid[h, offset + b // size]
-    return ps[h, b]
+        r = offset + b // size
+        for d in range(out.shape[0]):
+            out[d] = pyramid[h, r, d]
+    else:
+        for d in range(out.shape[0]):
+            out[d] = ps[h, b, d]
 
 
 @njit(cache=True, fastmath=_FAST)
@@ -66,12 +71,13 @@ def _candidates(ps, pyramid, offsets, h, q, first, leaves, candidates, beam, fan
         level += 1
     size = base * fanout**level
     starts = np.arange(first // size * size, leaves, size)
+    lo, hi = np.empty(2 * q.shape[0], dtype=ps.dtype), np.empty(2 * q.shape[0], dtype=ps.dtype)
     while True:
         scores = np.empty(starts.shape[0])
         for i in range(starts.shape[0]):
             a, e = min(max(starts[i], first), leaves), min(max(starts[i] + size, first), leaves)
-            lo = _bound(ps, pyramid, offsets[level], size, h, a, first, leaves)
-            hi = _bound(ps, pyramid, offsets[level], size, h, e, first, leaves)
+            _load_bound(ps, pyramid, offsets[level], size, h, a, first, leaves, lo)
+            _load_bound(ps, pyramid, offsets[level], size, h, e, first, leaves, hi)
             scores[i] = _run_score(lo, hi, (e - a) * bs, q, scale)
         keep = starts[_top(scores, min(beam, starts.shape[0]))]
         if level == 0:
