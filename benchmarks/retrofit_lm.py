@@ -39,7 +39,7 @@ ROWS = (("hybrid", {}), ("hybrid", {"budget": 128}), ("hybrid", {"query_beam": 0
         ("linear", {}), ("performer", {}), ("sinkhorn", {"block_size": 128}))
 
 
-def _losses(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+def losses(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Per-token next-token losses ``(N - 1,)``, greedy predictions ``(N - 1,)`` and seconds."""
     start = time.perf_counter()
     with torch.no_grad():
@@ -49,7 +49,7 @@ def _losses(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float
     return loss, logits.argmax(-1), seconds
 
 
-def _row(label: str, loss, pred, seconds, exact) -> dict:
+def result_row(label: str, loss, pred, seconds, exact) -> dict:
     quarter = loss.shape[0] * 3 // 4
     row = {"method": label, "ppl": math.exp(loss.mean().item()),
            "ppl_last_quarter": math.exp(loss[quarter:].mean().item()), "seconds": seconds}
@@ -62,8 +62,8 @@ def _row(label: str, loss, pred, seconds, exact) -> dict:
 
 def measure_n(n: int, tokenizer, model, rows) -> list[dict]:
     ids = tokenizer(smollm.long_text(n, tokenizer, part="eval"), return_tensors="pt")["input_ids"][:, :n]
-    loss, pred, seconds = _losses(model, ids)
-    exact = _row("exact (the model's own attention)", loss, pred, seconds, None)
+    loss, pred, seconds = losses(model, ids)
+    exact = result_row("exact (the model's own attention)", loss, pred, seconds, None)
     print(f"N={n} exact: ppl {exact['ppl']:.3f} ({seconds:.0f} s)", file=sys.stderr, flush=True)
     exact_pred = {"ppl": exact["ppl"], "ppl_last_quarter": exact["ppl_last_quarter"], "pred": pred}
     out = [exact]
@@ -71,10 +71,10 @@ def measure_n(n: int, tokenizer, model, rows) -> list[dict]:
         label = method + (f" ({', '.join(f'{k}={v}' for k, v in options.items())})" if options else " (defaults)")
         H.retrofit(model, method, **options)
         try:
-            loss, pred_m, seconds = _losses(model, ids)
+            loss, pred_m, seconds = losses(model, ids)
         finally:
             H.unretrofit(model)
-        out.append(_row(label, loss, pred_m, seconds, exact_pred))
+        out.append(result_row(label, loss, pred_m, seconds, exact_pred))
         print(f"N={n} {label}: ppl {out[-1]['ppl']:.3f} (x{out[-1]['ppl_ratio']:.4f}) ({seconds:.0f} s)",
               file=sys.stderr, flush=True)
     return out
