@@ -54,8 +54,8 @@ FANOUT = 8  # children per run in the descent
 
 class _Row:
     """One batch row's real keys ``(H, T, D)`` and values ``(H, T, Dv)`` (room for an eighth more
-    than the prefill, then growing by a quarter) and the leaf prefix sums ``ps`` ``(H, leaves + 1, 2 D + Dv)``: of keys, squared keys
-    and values, side by side (one gather reads all three).
+    than the prefill, then growing by a quarter) and the leaf prefix sums ``ps`` ``(H, leaves + 1,
+    2 D + Dv)``: of keys, squared keys and values, side by side (one gather reads all three).
 
     For the compiled descent also ``pyramid`` ``(H, rows, 2 D)``: level ``l`` (rows from
     ``offsets[l]``) holds the key parts of ``ps`` at every multiple of ``base * FANOUT**l``

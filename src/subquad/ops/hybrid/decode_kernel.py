@@ -97,97 +97,85 @@ def _candidates(ps, pyramid, offsets, h, q, first, leaves, candidates, beam, fan
 
 
 @njit(cache=True, fastmath=_FAST)
+def _logit(k, h, t, q, scale):
+    acc = q[0] * 0
+    for d in range(q.shape[0]):
+        acc += q[d] * k[h, t, d]
+    return scale * acc
+
+
+@njit(cache=True, fastmath=_FAST)
+def _selected(k, ps, pyramid, offsets, h, q, L, bs, scale, sinks, candidates, beam, num_selected, fanout):
+    """The selected leaves of head h among the L leaves before its window: the sinks and the
+    descent's candidates, scored exactly by the log-sum-exp of their keys' logits."""
+    s = min(sinks, L)
+    found = _candidates(ps, pyramid, offsets, h, q, s, L, candidates, beam, fanout, bs, scale)
+    cand = np.concatenate((np.arange(s), found))
+    lse = np.full(cand.shape[0], -np.inf)
+    lg = np.empty(bs)
+    for i in range(cand.shape[0]):
+        if cand[i] >= 0:
+            for j in range(bs):
+                lg[j] = _logit(k, h, cand[i] * bs + j, q, scale)
+            m = lg.max()
+            lse[i] = m + math.log(np.exp(lg - m).sum())
+    top = _top(lse, min(num_selected, cand.shape[0]))
+    return cand[top[lse[top] > -np.inf]]
+
+
+@njit(cache=True, fastmath=_FAST)
+def _summary(ps, h, q, a, e, sel, bs, scale, values, j):
+    """Term j: leaves [a, e) without the selected ones, as one logit (returned) and mean value."""
+    D, Dv = q.shape[0], values.shape[1]
+    n = (e - a) * bs
+    acc = 0.0
+    for d in range(D):
+        acc += q[d] * (ps[h, e, d] - ps[h, a, d])
+    for c in range(Dv):
+        values[j, c] = ps[h, e, 2 * D + c] - ps[h, a, 2 * D + c]
+    for leaf in sel:  # the selected keys leave their run's summary
+        if a <= leaf < e:
+            for d in range(D):
+                acc -= q[d] * (ps[h, leaf + 1, d] - ps[h, leaf, d])
+            for c in range(Dv):
+                values[j, c] -= ps[h, leaf + 1, 2 * D + c] - ps[h, leaf, 2 * D + c]
+            n -= bs
+    if n <= 0:
+        values[j] = 0.0
+        return -np.inf
+    for c in range(Dv):
+        values[j, c] /= n
+    return scale * acc / n + math.log(n)
+
+
+@njit(cache=True, fastmath=_FAST)
 def _head(k, v, ps, pyramid, offsets, h, q, T, bs, scale, window, sinks, candidates, beam, num_selected,
           num_summaries, fanout, out):
-    D, Dv = q.shape[0], v.shape[2]
+    """Head h's output row: softmax over its window keys, selected keys and summaries."""
     w0 = max(0, T - window) // bs * bs
     L = w0 // bs
-    n_terms = T - w0
-    sel = np.empty(0, dtype=np.int64)
     G = min(num_summaries, L)
+    sel = np.empty(0, dtype=np.int64)
     if L > 0:
-        s = min(sinks, L)
-        found = _candidates(ps, pyramid, offsets, h, q, s, L, candidates, beam, fanout, bs, scale)
-        cand = np.concatenate((np.arange(s), found))
-        lse = np.full(cand.shape[0], -np.inf)
-        lg = np.empty(bs)
-        for i in range(cand.shape[0]):
-            if cand[i] < 0:
-                continue
-            m = -np.inf
-            for j in range(bs):
-                t = cand[i] * bs + j
-                acc = q[0] * 0
-                for d in range(D):
-                    acc += q[d] * k[h, t, d]
-                lg[j] = scale * acc
-                m = max(m, lg[j])
-            tot = 0.0
-            for j in range(bs):
-                tot += math.exp(lg[j] - m)
-            lse[i] = m + math.log(tot)
-        top = _top(lse, min(num_selected, cand.shape[0]))
-        kept = 0
-        for i in top:
-            if lse[i] > -np.inf:
-                kept += 1
-        sel = np.empty(kept, dtype=np.int64)
-        kept = 0
-        for i in top:
-            if lse[i] > -np.inf:
-                sel[kept] = cand[i]
-                kept += 1
-        n_terms += sel.shape[0] * bs + G
-    logits = np.empty(n_terms)
-    values = np.empty((n_terms, Dv))
-    j = 0
-    for t in range(w0, T):
-        acc = q[0] * 0
-        for d in range(D):
-            acc += q[d] * k[h, t, d]
-        logits[j] = scale * acc
-        for c in range(Dv):
-            values[j, c] = v[h, t, c]
-        j += 1
-    for leaf in sel:
-        for r in range(bs):
-            t = leaf * bs + r
-            acc = q[0] * 0
-            for d in range(D):
-                acc += q[d] * k[h, t, d]
-            logits[j] = scale * acc
-            for c in range(Dv):
-                values[j, c] = v[h, t, c]
-            j += 1
+        sel = _selected(k, ps, pyramid, offsets, h, q, L, bs, scale, sinks, candidates, beam, num_selected, fanout)
+    keys = np.empty(T - w0 + sel.shape[0] * bs, dtype=np.int64)
+    keys[: T - w0] = np.arange(w0, T)
+    for i in range(sel.shape[0]):
+        keys[T - w0 + i * bs: T - w0 + (i + 1) * bs] = np.arange(sel[i] * bs, (sel[i] + 1) * bs)
+    logits = np.empty(keys.shape[0] + G)
+    values = np.empty((keys.shape[0] + G, v.shape[2]))
+    for j in range(keys.shape[0]):
+        logits[j] = _logit(k, h, keys[j], q, scale)
+        for c in range(v.shape[2]):
+            values[j, c] = v[h, keys[j], c]
     for g in range(G):
-        a, e = g * L // G, (g + 1) * L // G
-        n = (e - a) * bs
-        acc = 0.0
-        for d in range(D):
-            acc += q[d] * (ps[h, e, d] - ps[h, a, d])
-        for c in range(Dv):
-            values[j, c] = ps[h, e, 2 * D + c] - ps[h, a, 2 * D + c]
-        for leaf in sel:  # the selected keys leave their run's summary
-            if a <= leaf < e:
-                for d in range(D):
-                    acc -= q[d] * (ps[h, leaf + 1, d] - ps[h, leaf, d])
-                for c in range(Dv):
-                    values[j, c] -= ps[h, leaf + 1, 2 * D + c] - ps[h, leaf, 2 * D + c]
-                n -= bs
-        if n > 0:
-            logits[j] = scale * acc / n + math.log(n)
-            for c in range(Dv):
-                values[j, c] /= n
-        else:
-            logits[j] = -np.inf
-            values[j] = 0.0
-        j += 1
-    m = logits.max()
-    w = np.exp(logits - m)
+        j = keys.shape[0] + g
+        logits[j] = _summary(ps, h, q, g * L // G, (g + 1) * L // G, sel, bs, scale, values, j)
+    w = np.exp(logits - logits.max())
     w /= w.sum()
-    for c in range(Dv):
+    for c in range(v.shape[2]):
         acc = 0.0
-        for i in range(n_terms):
+        for i in range(w.shape[0]):
             acc += w[i] * values[i, c]
         out[h, c] = acc
 
