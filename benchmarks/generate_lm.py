@@ -18,7 +18,9 @@ parallel op, each new token through the key index):
   history: the issue's "same tokens for >= 90 % of positions").
 
 Also the median seconds per generated token of each (prefill excluded), and the start of both
-continuations.
+continuations. ``--ppl-tokens K``: also the perplexity of the prompt's last K tokens read one at a
+time through the row's cache after a prefill of the others (decoding as generation does, on text
+the model did not write), against exact attention's over the same tokens.
 """
 
 from __future__ import annotations
@@ -55,6 +57,40 @@ def _steps(model, ids: torch.Tensor, cache, feed: torch.Tensor | None, new: int)
             seconds.append(time.perf_counter() - start)
             tokens.append(int(logits.argmax()))
     return tokens, seconds
+
+
+def decode_losses(model, ids: torch.Tensor, cache, k: int) -> torch.Tensor:
+    """Next-token losses ``(k,)`` of the last ``k`` tokens of ``ids``: a prefill of the others into
+    ``cache``, then one token per call."""
+    n = ids.shape[1]
+    out = []
+    with torch.no_grad():
+        logits = model(input_ids=ids[:, : n - k], cache=cache).logits[0, -1:]
+        for t in range(n - k, n):
+            out.append(torch.nn.functional.cross_entropy(logits.float(), ids[0, t: t + 1]))
+            if t + 1 < n:
+                logits = model(input_ids=ids[:, t: t + 1], cache=cache).logits[0, -1:]
+    return torch.stack(out)
+
+
+def _ppl_rows(model, ids: torch.Tensor, rows, k: int) -> list[dict]:
+    """Perplexity of the last ``k`` tokens: exact (one forward) and each row through its cache."""
+    import math
+
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, -k - 1: -1].float()
+    exact = torch.nn.functional.cross_entropy(logits, ids[0, -k:], reduction="none")
+    out = [{"method": "exact (the model's own attention)", "ppl": math.exp(exact.mean().item())}]
+    for method, options in rows:
+        H.retrofit(model, method, **options)
+        try:
+            loss = decode_losses(model, ids, H.decoding_cache(model), k)
+        finally:
+            H.unretrofit(model)
+        out.append({"method": method, "options": options, "ppl": math.exp(loss.mean().item())})
+        out[-1]["ppl_ratio"] = out[-1]["ppl"] / out[0]["ppl"]
+        print(f"{method} decoding the last {k} tokens: ppl x{out[-1]['ppl_ratio']:.4f}", file=sys.stderr, flush=True)
+    return out
 
 
 def measure(model, ids: torch.Tensor, rows, new: int, tokenizer) -> dict:
@@ -97,14 +133,22 @@ def markdown(report: dict) -> str:
                        "first difference", "ms / token"], body), "",
              f"Exact attention's continuation starts: {json.dumps(r['exact']['text'])}", ""]
     lines += [f"{row['method']}'s: {json.dumps(row['text'])}" for row in r["rows"]]
+    if r.get("decode_ppl"):
+        k = c["ppl_tokens"]
+        lines += ["", f"## Perplexity of the prompt's last {k} tokens, decoded one at a time", "",
+                  md_table(["attention", "perplexity", "vs exact"],
+                           [[row["method"], f"{row['ppl']:.3f}", f"{row.get('ppl_ratio', 1.0):.4f}"]
+                            for row in r["decode_ppl"]])]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=8192, help="prompt tokens")
-    p.add_argument("--new", type=int, default=256, help="tokens generated")
+    p.add_argument("--new", type=int, default=256, help="tokens generated (at least 1)")
     p.add_argument("--rows", nargs="+", default=["hybrid"], metavar="METHOD[:NAME=VALUE,...]")
+    p.add_argument("--ppl-tokens", type=int, default=0, metavar="K",
+                   help="also the perplexity of the prompt's last K tokens decoded one at a time")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     rows = [(spec.partition(":")[0], {k: parse_value(v) for k, _, v in (pair.partition("=") for pair in
@@ -113,8 +157,11 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer, model = load_smollm()
     ids = tokenizer(smollm.long_text(args.n, tokenizer, part="eval"), return_tensors="pt")["input_ids"][:, :args.n]
     results = measure(model, ids, rows, args.new, tokenizer)
+    if args.ppl_tokens:
+        results["decode_ppl"] = _ppl_rows(model, ids, rows, args.ppl_tokens)
     info = machine_info(torch.device("cpu"))
-    report = {"config": {"n": args.n, "new": args.new, "rows": [[m, o] for m, o in rows], "torch": info["torch"],
+    report = {"config": {"n": args.n, "new": args.new, "ppl_tokens": args.ppl_tokens, "rows": [[m, o] for m, o in rows],
+                         "torch": info["torch"],
                          "cpu": info["cpu"], "threads": info["threads"], "source": source_state(Path(__file__).parent),
                          "date": datetime.date.today().isoformat(), "seconds": time.perf_counter() - start,
                          "command": "python " + " ".join(["benchmarks/generate_lm.py", *(argv or sys.argv[1:])])},
