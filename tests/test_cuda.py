@@ -176,3 +176,19 @@ def test_training_run_on_cuda(method, data_dir, tmp_path):
     assert results["steps"] == 4
     assert torch.isfinite(torch.tensor(results["test_loss"]))
     assert (tmp_path / method / "model.pt").exists()
+
+
+def test_hybrid_decode_state_on_cuda():
+    """hybrid's decoding state (its torch path on CUDA) gives the CPU's outputs over a prefill and
+    single steps, with the descent active (default options, 3000 keys)."""
+    from subquad.ops.hybrid import HybridDecodeState
+
+    q, k, v = qkv(1, 2, 3004, 16, dtype=torch.float32)
+    outs = []
+    for device in ("cpu", CUDA):
+        state = HybridDecodeState()
+        qd, kd, vd = (t.to(device) for t in (q, k, v))
+        steps = [state.attend(qd[:, :, :3000], kd[:, :, :3000], vd[:, :, :3000])[:, :, -1:]]
+        steps += [state.attend(qd[:, :, j: j + 1], kd[:, :, j: j + 1], vd[:, :, j: j + 1]) for j in range(3000, 3004)]
+        outs.append(torch.cat(steps, 2).cpu())
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
