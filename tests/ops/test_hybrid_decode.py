@@ -53,8 +53,12 @@ def test_step_is_the_attention_its_choice_implies(T):
     row = _row(k, v, SMALL.block_size, state)
     w0, L, selected = state.choose(row, q, 0.4)
     assert w0 == max(0, T - 4) // 2 * 2 and L == w0 // 2
+    # the row's keys: chunks of 8 behind the window are regrouped by similarity, the rest as given
+    ks, vs = row.k[:, :T], row.v[:, :T]
+    torch.testing.assert_close(ks.sort(1).values, k.sort(1).values, rtol=0, atol=0)
+    assert torch.equal(ks[:, w0:], k[:, w0:]) and row.grouped == max(0, T - 6) // 8
     G = min(2, L)
-    want = _implied(q, k, v, w0, L, selected, 2, G, 0.4) if L else torch.softmax(0.4 * torch.einsum(
+    want = _implied(q, ks, vs, w0, L, selected, 2, G, 0.4) if L else torch.softmax(0.4 * torch.einsum(
         "hd,htd->ht", q, k), 1).unsqueeze(1).matmul(v).squeeze(1)
     torch.testing.assert_close(state._step(row, q, 0.4), want, rtol=1e-10, atol=1e-10)
 
@@ -74,7 +78,7 @@ def test_descent_returns_candidates_in_range_and_finds_a_planted_leaf():
     H, D, bs, leaves = 2, 16, 4, 700
     k, v, q = _randn(H, leaves * bs, D, seed=7), _randn(H, leaves * bs, D, seed=8), _randn(H, D, seed=9)
     k[:, 4 * 517: 4 * 518] = 3.0 * q[:, None] / q.norm(dim=-1, keepdim=True)[:, None]
-    row = _row(k, v, bs)
+    row = _row(k, v, bs, HybridDecodeState(HybridOptions(block_size=bs, grouping="contiguous")))  # keys stay put
     cand = candidate_leaves(row, q, 1, leaves, 64, 16, 1.0)
     assert cand.shape == (H, 64)
     assert (((cand >= 1) & (cand < leaves)) | (cand == -1)).all()  # -1: a run past the last leaf
@@ -182,3 +186,21 @@ def test_compiled_step_equals_the_torch_path(dtype):
         outs.append(torch.cat(steps, 2))
     tol = 1e-5 if dtype == torch.float32 else 1e-10
     torch.testing.assert_close(outs[0], outs[1], rtol=tol, atol=tol)
+
+
+def test_regrouped_chunks_hold_similar_keys():
+    """A chunk behind the window is reordered so that each leaf holds keys close together: two
+    well-separated clusters interleaved by position end up in separate leaves."""
+    H, D = 1, 4
+    opts = HybridOptions(budget=24, block_size=4, window=4, num_selected=1, num_summaries=1, candidates=4, beam=1,
+                         chunk_size=16)
+    centre = torch.zeros(32, D, dtype=torch.float64)
+    centre[::2, 0] = 10.0  # even positions near +10 e0, odd ones near 0
+    k = (centre + 0.01 * _randn(32, D, seed=30)).unsqueeze(0)
+    state = HybridDecodeState(opts)
+    row = _row(k, k.clone(), 4, state)
+    assert row.grouped == 1
+    leaves = row.k[0, :16, 0].view(4, 4)
+    assert ((leaves > 5).all(1) | (leaves < 5).all(1)).all()
+    assert torch.equal(row.v[:, :16], row.k[:, :16])  # values move with their keys
+    torch.testing.assert_close(row.ps[:, 1:5, :D], row.k[:, :16].unflatten(1, (4, 4)).sum(2).cumsum(1))

@@ -62,8 +62,9 @@ class _Row:
     leaves, so that the runs a level scores read consecutive rows rather than rows far apart in
     ``ps`` (a copy of a quarter of its key part and less; the same numbers)."""
 
-    def __init__(self, block_size: int, base: int):
+    def __init__(self, block_size: int, base: int, chunk: int = 0, behind: int = 0):
         self.bs, self.base = block_size, base
+        self.chunk, self.behind, self.grouped = chunk, behind, 0  # chunks regrouped by similarity
         self.count = 0
         self.k = self.v = self.ps = self.pyramid = None
         self.offsets: list[int] = []
@@ -82,13 +83,42 @@ class _Row:
         self.k[:, self.count: self.count + n] = k
         self.v[:, self.count: self.count + n] = v
         self.count += n
-        new_leaves = self.count // bs
-        if new_leaves > old_leaves:
-            keys = self.k[:, old_leaves * bs: new_leaves * bs]
-            x = torch.cat([keys, keys.square(), self.v[:, old_leaves * bs: new_leaves * bs]], -1)
-            leaf = x.unflatten(1, (-1, bs)).sum(2)  # (H, new leaves, 2 D + Dv)
-            self.ps[:, old_leaves + 1: new_leaves + 1] = self.ps[:, old_leaves: old_leaves + 1] + leaf.cumsum(1)
-            self._sample(old_leaves, new_leaves)
+        if self.count // bs > old_leaves:
+            self._sum_leaves(old_leaves, self.count // bs)
+        if self.chunk:
+            self._regroup()
+
+    def _sum_leaves(self, old: int, new: int) -> None:
+        """Prefix rows of leaves ``old .. new`` (exclusive .. inclusive) from the keys and values."""
+        bs = self.bs
+        keys = self.k[:, old * bs: new * bs]
+        x = torch.cat([keys, keys.square(), self.v[:, old * bs: new * bs]], -1)
+        leaf = x.unflatten(1, (-1, bs)).sum(2)  # (H, new - old, 2 D + Dv)
+        self.ps[:, old + 1: new + 1] = self.ps[:, old: old + 1] + leaf.cumsum(1)
+        self._sample(old, new)
+
+    def _regroup(self) -> None:
+        """Reorder the keys (and values) of every chunk that has fallen ``behind`` keys behind the
+        last one so that its leaves are groups of similar keys: the parallel op's tree within a
+        sealed chunk (:func:`.index.build_index`, splits at the median of the principal
+        projections), so that runs of consecutive leaves are its subtrees. Only the leaf sums
+        inside those chunks change; no key's window or causal position does (they are before
+        every window)."""
+        from .index import build_index
+
+        target = max(0, self.count - self.behind) // self.chunk
+        if target <= self.grouped:
+            return
+        C, H, D = self.chunk, self.k.shape[0], self.k.shape[2]
+        span = slice(self.grouped * C, target * C)
+        k = self.k[:, span].reshape(1, -1, C, D)  # (1, H * chunks, C, D)
+        p = plan(HybridOptions(budget=1, block_size=self.bs, candidates=C // self.bs, beam=1), C, False)
+        order = build_index(k, p).order.view(H, -1)
+        at = order + (torch.arange(order.shape[1] // C, device=order.device) * C).repeat_interleave(C)
+        self.k[:, span] = self.k[:, span].gather(1, at.unsqueeze(-1).expand(-1, -1, D))
+        self.v[:, span] = self.v[:, span].gather(1, at.unsqueeze(-1).expand(-1, -1, self.v.shape[2]))
+        self._sum_leaves(self.grouped * C // self.bs, target * C // self.bs)
+        self.grouped = target
 
     def _sample(self, old: int, new: int) -> None:
         """Copy the prefix rows at multiples of each level's run length between leaf ``old``
@@ -208,7 +238,10 @@ class HybridDecodeState:
 
     def new_row(self) -> _Row:
         """An empty row for these options (its pyramid's runs: ``candidates / beam`` leaves and up)."""
-        return _Row(self.options.block_size, self.candidates // self.plan.beam)
+        o = self.options
+        grouped = o.grouping == "tree" and o.chunk_size > o.block_size
+        return _Row(o.block_size, self.candidates // self.plan.beam, o.chunk_size if grouped else 0,
+                    self.plan.window + o.block_size)
 
     @property
     def seen(self) -> int:
