@@ -56,7 +56,8 @@ def test_step_is_the_attention_its_choice_implies(T):
     # the row's keys: chunks of 8 behind the window are regrouped by similarity, the rest as given
     ks, vs = row.k[:, :T], row.v[:, :T]
     torch.testing.assert_close(ks.sort(1).values, k.sort(1).values, rtol=0, atol=0)
-    assert torch.equal(ks[:, w0:], k[:, w0:]) and row.grouped == max(0, T - 6) // 8
+    assert torch.equal(ks[:, w0:], k[:, w0:]) and torch.equal(ks[:, :8], k[:, :8])  # the sink chunk stays
+    assert row.grouped == max(1, (T - 6) // 8)
     G = min(2, L)
     want = _implied(q, ks, vs, w0, L, selected, 2, G, 0.4) if L else torch.softmax(0.4 * torch.einsum(
         "hd,htd->ht", q, k), 1).unsqueeze(1).matmul(v).squeeze(1)
@@ -193,7 +194,7 @@ def test_regrouped_chunks_hold_similar_keys():
     well-separated clusters interleaved by position end up in separate leaves."""
     H, D = 1, 4
     opts = HybridOptions(budget=24, block_size=4, window=4, num_selected=1, num_summaries=1, candidates=4, beam=1,
-                         chunk_size=16)
+                         chunk_size=16, sinks=0)
     centre = torch.zeros(32, D, dtype=torch.float64)
     centre[::2, 0] = 10.0  # even positions near +10 e0, odd ones near 0
     k = (centre + 0.01 * _randn(32, D, seed=30)).unsqueeze(0)

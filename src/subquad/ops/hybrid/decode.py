@@ -62,9 +62,11 @@ class _Row:
     leaves, so that the runs a level scores read consecutive rows rather than rows far apart in
     ``ps`` (a copy of a quarter of its key part and less; the same numbers)."""
 
-    def __init__(self, block_size: int, base: int, chunk: int = 0, behind: int = 0):
+    def __init__(self, block_size: int, base: int, chunk: int = 0, behind: int = 0, sink_keys: int = 0):
         self.bs, self.base = block_size, base
-        self.chunk, self.behind, self.grouped = chunk, behind, 0  # chunks regrouped by similarity
+        # chunks regrouped by similarity so far; the chunks holding the sink keys keep their order
+        self.chunk, self.behind = chunk, behind
+        self.grouped = -(-sink_keys // chunk) if chunk else 0
         self.count = 0
         self.k = self.v = self.ps = self.pyramid = None
         self.offsets: list[int] = []
@@ -103,7 +105,8 @@ class _Row:
         sealed chunk (:func:`.index.build_index`, splits at the median of the principal
         projections), so that runs of consecutive leaves are its subtrees. Only the leaf sums
         inside those chunks change; no key's window or causal position does (they are before
-        every window)."""
+        every window). The chunks that hold the sink leaves stay in order, so the sinks stay the
+        first keys (where pretrained models park attention)."""
         from .index import build_index
 
         target = max(0, self.count - self.behind) // self.chunk
@@ -241,7 +244,7 @@ class HybridDecodeState:
         o = self.options
         grouped = o.grouping == "tree" and o.chunk_size > o.block_size
         return _Row(o.block_size, self.candidates // self.plan.beam, o.chunk_size if grouped else 0,
-                    self.plan.window + o.block_size)
+                    self.plan.window + o.block_size, self.plan.sinks * o.block_size)
 
     @property
     def seen(self) -> int:
