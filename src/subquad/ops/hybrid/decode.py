@@ -28,10 +28,17 @@ One new query at position ``t`` (``T = t + 1`` keys including its own) sees:
   mean value of the run's keys not selected. No key is dropped; with every leaf selected there
   are no summaries and the output is exact attention.
 
+**Leaves by similarity.** Once a chunk of ``chunk_size`` keys has fallen behind the window, its
+keys (and values) are reordered by the parallel op's similarity tree within the chunk, so each
+leaf holds similar keys and each run of consecutive leaves inside the chunk is a subtree; above
+the chunk, runs go by position, as in the op's sealed chunks. The chunks that hold the sink
+leaves keep their order (moving SmolLM2's first token out of leaf 0 more than doubled its
+perplexity). ``grouping="contiguous"``: no reordering.
+
 The same estimator family as the parallel causal op (window, selected leaves, coarse summaries
 with the selected keys taken out; the parts from :func:`subquad.ops.hybrid.plan`), but not the
-same numbers: the op groups leaves by similarity within sealed chunks and its queries share a
-descent per block of 64, while a decoder has one query and groups by position. A prefill (the
+same numbers: the op's queries share a descent per block of 64 and score nodes by their principal
+direction, while a decoder has one query and scores runs by the Gaussian estimate. A prefill (the
 first call, several tokens) runs the parallel causal op and indexes its keys; later tokens decode
 here, on CPU by a compiled kernel (``decode_kernel.py``, numba) that computes what the torch
 path here computes. Tested against dense references of the selection and of the attention it
