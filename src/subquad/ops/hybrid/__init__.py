@@ -89,7 +89,7 @@ __all__ = ["HybridDecodeState", "HybridOptions", "HybridPlan", "hybrid_attention
     test_options={"budget": 9, "block_size": 2, "window": 3, "num_selected": 2, "num_summaries": 2,
                   "candidates": 4, "beam": 2, "chunk_size": 4},
     fullgraph_with_padding=False,  # padding is removed first: shapes from the mask
-    decode_state=lambda options: HybridDecodeState(options),
+    decode_state=HybridDecodeState,
 )
 def hybrid_attention(q, k, v, key_padding_mask, causal, scale, *, options: HybridOptions):
     """Hybrid attention (see the module docstring).
