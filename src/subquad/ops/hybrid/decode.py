@@ -51,7 +51,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .index import numpy_path
+from .index import numpy_path, rows
 from .options import HybridOptions, candidate_count, plan
 
 __all__ = ["HybridDecodeState"]
@@ -173,10 +173,8 @@ class _Row:
 
 
 def _rows(x: Tensor, index: Tensor) -> Tensor:
-    """``x[h, index[h, i]]``: x ``(H, T, D)`` (contiguous), index ``(H, I)`` -> ``(H, I, D)``."""
-    H, T, D = x.shape
-    flat = index + T * torch.arange(H, device=index.device).unsqueeze(1)
-    return x.view(H * T, D).index_select(0, flat.flatten()).view(H, -1, D)
+    """``x[h, index[h, i]]``: x ``(H, T, D)``, index ``(H, I)`` -> ``(H, I, D)`` (:func:`.index.rows`)."""
+    return rows(x[None], index[None])[0]
 
 
 def run_scores(row: _Row, q: Tensor, start: Tensor, end: Tensor, scale: float) -> Tensor:
