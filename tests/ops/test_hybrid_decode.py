@@ -4,6 +4,8 @@ prefill, padding and batches of different lengths."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -164,35 +166,39 @@ def test_refuses_a_different_batch():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 def test_compiled_step_equals_the_torch_path(dtype):
-    """On CPU a step runs the compiled kernel; inside ``hybrid.torch_path()`` the torch ops. Both
-    give the same outputs, with the descent active (default options, 9000 keys: 2250 leaves against
-    128 candidates, so it starts from runs of 32 leaves read from the pyramid), and steps that
-    leave a partial leaf."""
+    """On CPU a step runs the compiled kernel, which also appends the token to the row; inside
+    ``hybrid.torch_path()`` the torch ops. Both give the same outputs and the same row (keys,
+    values, prefix sums, pyramid), with the descent active (default options, 9000 keys: 2250
+    leaves against 128 candidates, so it starts from runs of 32 leaves read from the pyramid),
+    over steps that complete leaves, pyramid rows and a regrouped chunk, and leave a partial leaf."""
     from subquad.ops import hybrid
 
-    H, T, D = 2, 9000, 16
-    q, k, v = (_randn(2, H, T + 3, D, seed=s, dtype=dtype) for s in (22, 23, 24))
+    H, T, D, steps = 2, 9000, 16, 103
+    q, k, v = (_randn(2, H, T + steps, D, seed=s, dtype=dtype) for s in (22, 23, 24))
     k[:, :, 5000:5004] += 2.0 * q[:, :, -1:]  # a leaf the last query should find
-    outs = []
+    outs, rows = [], []
     for compiled in (True, False):
         state = HybridDecodeState()
         state.attend(q[:, :, :T], k[:, :, :T], v[:, :, :T])
-        steps = []
-        for j in range(T, T + 3):
-            if compiled:
-                steps.append(state.attend(q[:, :, j: j + 1], k[:, :, j: j + 1], v[:, :, j: j + 1]))
-            else:
-                with hybrid.torch_path():
-                    steps.append(state.attend(q[:, :, j: j + 1], k[:, :, j: j + 1], v[:, :, j: j + 1]))
-        outs.append(torch.cat(steps, 2))
+        grouped = state.rows[0].grouped
+        with contextlib.nullcontext() if compiled else hybrid.torch_path():
+            outs.append(torch.cat([state.attend(q[:, :, j: j + 1], k[:, :, j: j + 1], v[:, :, j: j + 1])
+                                   for j in range(T, T + steps)], 2))
+        rows.append(state.rows)
+    assert rows[0][0].grouped > grouped
     tol = 1e-5 if dtype == torch.float32 else 1e-10
     torch.testing.assert_close(outs[0], outs[1], rtol=tol, atol=tol)
+    for a, b in zip(*rows):
+        assert a.count == b.count == T + steps
+        for x, y in ((a.k[:, :a.count], b.k[:, :b.count]), (a.v[:, :a.count], b.v[:, :b.count]), (a.ps, b.ps),
+                     (a.pyramid, b.pyramid)):
+            torch.testing.assert_close(x, y, rtol=tol, atol=tol)
 
 
 def test_regrouped_chunks_hold_similar_keys():
     """A chunk behind the window is reordered so that each leaf holds keys close together: two
     well-separated clusters interleaved by position end up in separate leaves."""
-    H, D = 1, 4
+    D = 4
     opts = HybridOptions(budget=24, block_size=4, window=4, num_selected=1, num_summaries=1, candidates=4, beam=1,
                          chunk_size=16, sinks=0)
     centre = torch.zeros(32, D, dtype=torch.float64)

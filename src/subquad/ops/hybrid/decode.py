@@ -77,6 +77,7 @@ class _Row:
         self.count = 0
         self.k = self.v = self.ps = self.pyramid = None
         self.offsets: list[int] = []
+        self._numpy: tuple | None = None  # numpy views of the buffers and offsets, for the kernel
 
     def extend(self, k: Tensor, v: Tensor) -> None:
         """Append keys ``(H, n, D)`` and values ``(H, n, Dv)``."""
@@ -96,6 +97,21 @@ class _Row:
             self._sum_leaves(old_leaves, self.count // bs)
         if self.chunk:
             self._regroup()
+
+    def simple_append(self) -> bool:
+        """Whether one more token fits and regroups nothing, so the compiled step may append it
+        (:func:`.decode_kernel.decode_step`) instead of :meth:`extend`."""
+        if self.k is None or self.count >= self.k.shape[1]:
+            return False
+        return not self.chunk or max(0, self.count + 1 - self.behind) // self.chunk <= self.grouped
+
+    def arrays(self) -> tuple:
+        """Numpy views of ``k``, ``v``, ``ps``, ``pyramid`` and the level offsets with a sentinel
+        (kept until the buffers are reallocated)."""
+        if self._numpy is None:
+            self._numpy = (self.k.numpy(), self.v.numpy(), self.ps.numpy(), self.pyramid.numpy(),
+                           np.asarray(self.offsets + [0], dtype=np.int64))
+        return self._numpy
 
     def _sum_leaves(self, old: int, new: int) -> None:
         """Prefix rows of leaves ``old .. new`` (exclusive .. inclusive) from the keys and values."""
@@ -159,6 +175,7 @@ class _Row:
             rows += cap_leaves // (self.base * FANOUT**level) + 1
             level += 1
         self.pyramid = self.ps.new_zeros(self.ps.shape[0], max(rows, 1), 2 * D)
+        self._numpy = None
         self._sample(-1, self.count // self.bs)
 
     def nbytes(self) -> int:
@@ -267,8 +284,7 @@ class HybridDecodeState:
         if len(self.rows) != B:
             raise ValueError(f"HybridDecodeState holds {len(self.rows)} batch rows; this call has {B}")
         if n == 1 and key_padding_mask is None and B == 1 and self.rows[0].count > 0:  # the common step
-            self.rows[0].extend(k[0], v[0])
-            return self._step(self.rows[0], q[0, :, 0], scale).to(q.dtype).view(1, H, 1, -1)
+            return self._step(self.rows[0], q[0, :, 0], scale, k[0, :, 0], v[0, :, 0]).to(q.dtype).view(1, H, 1, -1)
         out = q.new_zeros(B, H, n, v.shape[-1])
         options = {f: getattr(self.options, f) for f in self.options.__dataclass_fields__}
         for b, row in enumerate(self.rows):
@@ -283,8 +299,7 @@ class HybridDecodeState:
             else:
                 steps = []
                 for j in range(keep.numel()):
-                    row.extend(kb[:, j: j + 1], vb[:, j: j + 1])
-                    steps.append(self._step(row, qb[:, j], scale))
+                    steps.append(self._step(row, qb[:, j], scale, kb[:, j], vb[:, j]))
                 o = torch.stack(steps, 1)
             out[b].index_copy_(1, keep, o.to(out.dtype))
         return out
@@ -302,17 +317,26 @@ class HybridDecodeState:
         cand = torch.cat([torch.arange(sinks, device=q.device).expand(q.shape[0], sinks), found], 1)
         return w0, L, select_leaves(row, q, cand, p.num_selected, scale)
 
-    def _step(self, row: _Row, q: Tensor, scale: float) -> Tensor:
-        """The output ``(H, Dv)`` of query q ``(H, D)`` at the row's last position: on CPU by the
-        compiled kernel (``decode_kernel.py``), elsewhere (and inside ``hybrid.torch_path()``) in torch."""
+    def _step(self, row: _Row, q: Tensor, scale: float, k: Tensor | None = None, v: Tensor | None = None) -> Tensor:
+        """The output ``(H, Dv)`` of query q ``(H, D)`` at the row's last position, after appending
+        the key ``k`` ``(H, D)`` and value ``v`` ``(H, Dv)`` when given: on CPU by the compiled
+        kernel (``decode_kernel.py``, which also appends unless the row must grow or regroup),
+        elsewhere (and inside ``hybrid.torch_path()``) in torch."""
         kernel = _kernel(q)
+        if k is not None and (kernel is None or not row.simple_append()):
+            row.extend(k[:, None], v[:, None])
+            k = None
         if kernel is not None:
             import numba
 
             p = self.plan
+            if k is None:
+                x = q
+            else:  # one array: the query, then the key and value the kernel appends
+                x = torch.cat([q, k, v], -1)
+                row.count += 1
             numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
-            out = kernel.decode_step(row.k.numpy(), row.v.numpy(), row.ps.numpy(), row.pyramid.numpy(),
-                                     np.asarray(row.offsets + [0], dtype=np.int64), q.contiguous().numpy(), row.count,
+            out = kernel.decode_step(*row.arrays(), x.to(row.k.dtype).contiguous().numpy(), k is not None, row.count,
                                      row.bs, scale, p.window, p.sinks, self.candidates, p.beam, p.num_selected,
                                      p.num_summaries, FANOUT)
             return torch.from_numpy(out)
