@@ -156,6 +156,23 @@ def test_memory_grows_with_the_tokens_and_select_keeps_rows():
     assert torch.equal(x[0], x[1]) and not torch.equal(x[0], x[2])
 
 
+def test_a_selected_row_keeps_decoding_into_its_own_buffers():
+    """select() copies rows; a copy's compiled steps append to its own keys, values and sums,
+    so it decodes exactly as a row that was never copied."""
+    H, D = 2, 8
+    q, k, v = (_randn(1, H, 80, D, seed=s, dtype=torch.float32) for s in (40, 41, 42))
+    copied, kept = HybridDecodeState(SMALL), HybridDecodeState(SMALL)
+    for state in (copied, kept):
+        state.attend(q[:, :, :40], k[:, :, :40], v[:, :, :40])
+        state.attend(q[:, :, 40:41], k[:, :, 40:41], v[:, :, 40:41])
+    copied.select(torch.tensor([0]))
+    for j in range(41, 80):
+        outs = [state.attend(q[:, :, j: j + 1], k[:, :, j: j + 1], v[:, :, j: j + 1]) for state in (copied, kept)]
+        torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    a, b = copied.rows[0], kept.rows[0]
+    assert torch.equal(a.k[:, :80], b.k[:, :80]) and torch.equal(a.ps, b.ps)
+
+
 def test_refuses_a_different_batch():
     state = HybridDecodeState(SMALL)
     q = _randn(2, 1, 3, 4)

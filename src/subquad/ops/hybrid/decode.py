@@ -98,6 +98,11 @@ class _Row:
         if self.chunk:
             self._regroup()
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the numpy views behind: a copy's views are made from its own
+        tensors (a copied view would be a detached copy of the original's buffers)."""
+        return {**self.__dict__, "_numpy": None}
+
     def simple_append(self) -> bool:
         """Whether one more token fits and regroups nothing, so the compiled step may append it
         (:func:`.decode_kernel.decode_step`) instead of :meth:`extend`."""
