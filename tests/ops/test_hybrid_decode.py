@@ -173,6 +173,22 @@ def test_a_selected_row_keeps_decoding_into_its_own_buffers():
     assert torch.equal(a.k[:, :80], b.k[:, :80]) and torch.equal(a.ps, b.ps)
 
 
+def test_a_failed_step_leaves_the_row_as_it_was():
+    """A step whose key cannot go to the compiled kernel (it requires grad) raises before the row
+    changes: the next steps decode as if it had never been tried."""
+    H, D = 2, 8
+    q, k, v = (_randn(1, H, 30, D, seed=s, dtype=torch.float32) for s in (43, 44, 45))
+    tried, clean = HybridDecodeState(SMALL), HybridDecodeState(SMALL)
+    for state in (tried, clean):
+        state.attend(q[:, :, :20], k[:, :, :20], v[:, :, :20])
+    with pytest.raises(RuntimeError):
+        tried.attend(q[:, :, 20:21], k[:, :, 20:21].clone().requires_grad_(), v[:, :, 20:21])
+    assert tried.seen == 20
+    for j in range(20, 30):
+        outs = [state.attend(q[:, :, j: j + 1], k[:, :, j: j + 1], v[:, :, j: j + 1]) for state in (tried, clean)]
+        torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
 def test_refuses_a_different_batch():
     state = HybridDecodeState(SMALL)
     q = _randn(2, 1, 3, 4)

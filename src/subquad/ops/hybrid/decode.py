@@ -113,7 +113,7 @@ class _Row:
     def arrays(self) -> tuple:
         """Numpy views of ``k``, ``v``, ``ps``, ``pyramid`` and the level offsets with a sentinel
         (kept until the buffers are reallocated)."""
-        if self._numpy is None:
+        if getattr(self, "_numpy", None) is None:  # (None or absent: a row pickled before views were kept)
             self._numpy = (self.k.numpy(), self.v.numpy(), self.ps.numpy(), self.pyramid.numpy(),
                            np.asarray(self.offsets + [0], dtype=np.int64))
         return self._numpy
@@ -335,15 +335,13 @@ class HybridDecodeState:
             import numba
 
             p = self.plan
-            if k is None:
-                x = q
-            else:  # one array: the query, then the key and value the kernel appends
-                x = torch.cat([q, k, v], -1)
-                row.count += 1
+            # one array: the query, then the key and value the kernel appends
+            x = (q if k is None else torch.cat([q, k, v], -1)).to(row.k.dtype).contiguous().numpy()
             numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
-            out = kernel.decode_step(*row.arrays(), x.to(row.k.dtype).contiguous().numpy(), k is not None, row.count,
-                                     row.bs, scale, p.window, p.sinks, self.candidates, p.beam, p.num_selected,
-                                     p.num_summaries, FANOUT)
+            out = kernel.decode_step(*row.arrays(), x, k is not None, row.count + (k is not None), row.bs, scale,
+                                     p.window, p.sinks, self.candidates, p.beam, p.num_selected, p.num_summaries,
+                                     FANOUT)
+            row.count += k is not None  # only once the kernel has written the token
             return torch.from_numpy(out)
         w0, L, selected = self.choose(row, q, scale)
         logits = [scale * torch.bmm(row.k[:, w0: row.count], q.unsqueeze(-1)).squeeze(-1)]
