@@ -376,9 +376,9 @@ def _softmax_row(vb, nx, ncol, lo, cfg, h, hd, s, out):
         den += ex[x]
         g = s.xg[x]
         wgt = ex[x] - (s.lc[g] if g >= 0 else zero)
-        row = s.xv[x]
+        row = vb[s.xv[x]]
         for d in range(out.shape[0]):
-            out[d] += wgt * vb[row, d]
+            out[d] += wgt * row[d]
     for c in range(G):
         if s.lc[c] > 0.0:
             row = hd.gv[h, c]
