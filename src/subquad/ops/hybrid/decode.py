@@ -113,7 +113,7 @@ class _Row:
     def arrays(self) -> tuple:
         """Numpy views of ``k``, ``v``, ``ps``, ``pyramid`` and the level offsets with a sentinel
         (kept until the buffers are reallocated)."""
-        if getattr(self, "_numpy", None) is None:  # (None or absent: a row pickled before views were kept)
+        if self._numpy is None:
             self._numpy = (self.k.numpy(), self.v.numpy(), self.ps.numpy(), self.pyramid.numpy(),
                            np.asarray(self.offsets + [0], dtype=np.int64))
         return self._numpy
