@@ -139,6 +139,19 @@ def test_large_leaves_match_naive(candidates, query_block, path):
 
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 3, 6, 7, 9, 12)], ids=lambda c: "-".join(map(str, c)))
 def test_gradients_match_naive(case):
+    _assert_gradients_match_naive(case)
+
+
+@pytest.mark.parametrize("case", [CASES[i] for i in (6, 7, 12, 15)], ids=lambda c: "-".join(map(str, c)))
+def test_gradients_over_many_runs_match_naive(case, monkeypatch):
+    """Every query block a run of its own, as at long N: the runs' gathers (and, causal, each
+    query's own leaves) share one backward that sums their gradients."""
+    monkeypatch.setattr(hybrid_options, "QUERY_BLOCK", 4)
+    monkeypatch.setattr(hybrid_options, "CHUNK_BYTES", 1)
+    _assert_gradients_match_naive(case)
+
+
+def _assert_gradients_match_naive(case):
     n, m, causal = case[:3]
     q, k, v = qkv(1, 2, n, 8, m=m, dv=5, seed=3, requires_grad=True)
     mask = _mask(m)[:1]

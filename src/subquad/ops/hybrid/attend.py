@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from . import options as _options
-from .index import KeyIndex, build_index, largest, rows
+from .index import KeyIndex, build_index, flat_rows, largest, rows
 from .options import HybridPlan
 from .select import descend, leaf_scores, sealed_ends
 from .summaries import causal_group_size, causal_summaries, combine, tree_summaries
@@ -122,15 +122,95 @@ def hybrid_core(q: Tensor, k: Tensor, v: Tensor, lo: list[int], causal: bool, sc
     scratch = _Scratch(not torch.compiler.is_compiling() and not tracked)
     row_bytes = (D + v.shape[-1]) * q.element_size()
     cand_keys = (leaf.shape[-1] + (0 if own is None else qb * own[0].shape[-1])) * p.block_size
+    ctx = (p, scale, causal, index, group_of, summaries, scratch, M)
+    plans = []
+    with torch.no_grad():
+        for blocks, U, R in runs(lo_list, sealed_list, p, qb, cand_keys, row_bytes):
+            rq = slice(blocks.start * qb, blocks.stop * qb)
+            plans.append(_run_rows(ctx, lop, leaf[:, :, blocks], leaf_ok[:, :, blocks],
+                                   None if sealed is None else sealed[blocks], blocks, U, R,
+                                   None if own is None else (own[0][:, :, rq], own[1][:, :, rq])))
+    gathered = _gather_runs(keys, values, plans, scratch, tracked)
+    q_runs = qp.split([(pl.blocks.stop - pl.blocks.start) * qb for pl in plans], 2)
     outs = []
-    for blocks, U, R in runs(lo_list, sealed_list, p, qb, cand_keys, row_bytes):
-        ctx = (p, scale, causal, index, group_of, summaries, scratch)
-        rq = slice(blocks.start * qb, blocks.stop * qb)
+    for plan_, q_run, gathered_rows in zip(plans, q_runs, gathered):
         with record_function("hybrid.attend"):
-            outs.append(_attend(ctx, qp, lop, keys, values, leaf[:, :, blocks], leaf_ok[:, :, blocks],
-                                None if sealed is None else sealed[blocks], blocks, U, R,
-                                None if own is None else (own[0][:, :, rq], own[1][:, :, rq])))
+            outs.append(_attend(ctx, q_run, lop, plan_, *gathered_rows))
     return torch.cat(outs, 2)[:, :, :N]
+
+
+@dataclasses.dataclass
+class _RunRows:
+    """What a run of query blocks gathers: ``idx`` ``(B, H, nb, E)`` rows (into ``[keys by rank;
+    keys by slot]``) of its window (the first ``U``) and candidate keys, the candidates' ranks
+    and validity (slot-major, ``L`` leaves), and per query its own leaves' rows, ranks and validity
+    (``query_beam``; None without)."""
+
+    blocks: slice
+    U: int
+    L: int
+    idx: Tensor
+    crank: Tensor
+    cok: Tensor
+    own: tuple[Tensor, Tensor, Tensor] | None
+
+
+def _run_rows(ctx, lo: Tensor, leaf: Tensor, leaf_ok: Tensor, sealed: Tensor | None, blocks: slice, U: int, R: int,
+              own=None) -> _RunRows:
+    """The rows the query blocks ``blocks`` gather (:class:`_RunRows`)."""
+    p, index, M = ctx[0], ctx[3], ctx[7]
+    qb = _options.QUERY_BLOCK
+    B, H = leaf.shape[:2]
+    nbk = blocks.stop - blocks.start
+    first = lo[blocks.start * qb: blocks.stop * qb].view(nbk, qb)[:, :1]
+    wrow = (first + torch.arange(U, device=lo.device)).clamp(0, M - 1).expand(B, H, nbk, U)
+    crow, crank, cok = _candidates(index, M, leaf, leaf_ok, sealed, R, p)
+    if own is not None:
+        own = _tree_rows(index, M, own[0].unflatten(2, (nbk, qb)), own[1].unflatten(2, (nbk, qb)), p)
+    return _RunRows(blocks, U, crow.shape[-1], torch.cat([wrow, crow.flatten(-2)], -1), crank, cok, own)
+
+
+class _RowsOfRuns(torch.autograd.Function):
+    """Rows ``x[i]`` of ``x`` ``(R, D)`` for each index vector ``i`` of ``idx``, whose backward
+    adds every output's gradient into one tensor the size of ``x`` (a gather per run would
+    zero-fill and sum one such tensor per run: a third of the backward at N = 16384)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, *idx: Tensor) -> tuple[Tensor, ...]:
+        ctx.save_for_backward(*idx)
+        ctx.rows = x.shape[0]
+        return tuple(x.index_select(0, i) for i in idx)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads: Tensor):
+        idx = ctx.saved_tensors
+        out = None
+        for i, g in zip(idx, grads):
+            if g is not None:
+                out = g.new_zeros(ctx.rows, g.shape[-1]) if out is None else out
+                out.index_add_(0, i, g)
+        return (out,) + (None,) * len(idx)
+
+
+def _gather_runs(keys: Tensor, values: Tensor, plans: list[_RunRows], scratch: _Scratch, tracked: bool):
+    """Per run, its window and candidate keys and values ``(B, H, nb, E, .)`` and its queries'
+    own leaves' ``(B, H, nb, QB, bs Lo, .)`` (None without): under autograd, every run's at once
+    through :class:`_RowsOfRuns`; else run by run into reused scratch, when the run comes (a
+    generator)."""
+    idx = [[pl.idx] + ([] if pl.own is None else [pl.own[0].flatten(-2)]) for pl in plans]
+    if tracked:
+        flat = [flat_rows(keys, i) for run in idx for i in run]
+        got = iter(zip(*(_RowsOfRuns.apply(x.reshape(-1, x.shape[-1]), *flat) for x in (keys, values))))
+        for run in idx:
+            kv = [next(got) for _ in run]
+            kx, vx = (t.view(*run[0].shape, t.shape[-1]) for t in kv[0])
+            yield kx, vx, None if len(run) == 1 else tuple(t.view(*run[1].shape, t.shape[-1]) for t in kv[1])
+        return
+    for run in idx:
+        kx, vx = (rows(x, run[0], scratch.get(name, (*run[0].shape, x.shape[-1]), x))
+                  for name, x in (("keys", keys), ("values", values)))
+        yield kx, vx, None if len(run) == 1 else (rows(keys, run[1]), rows(values, run[1]))
 
 
 def _descent_queries(q: Tensor, qb: int, causal: bool) -> Tensor:
@@ -196,34 +276,31 @@ def _candidates(index: KeyIndex, M: int, leaf: Tensor, leaf_ok: Tensor, sealed: 
     return row, rank, ok
 
 
-def _attend(ctx, q, lo, keys, values, leaf, leaf_ok, sealed, blocks: slice, U: int, R: int, own=None) -> Tensor:
-    """Outputs ``(B, H, nb * QB, Dv)`` of the query blocks ``blocks``: one product of each block's
-    queries with its ``U`` window keys and its candidate keys gives every logit it needs (leaf
-    scores and exact logits); the selected ones are picked from it, and the exact keys' weights,
-    scattered back into a dense row, take one product with the values. ``own``: each query's
-    own candidate leaves (``query_beam``), whose keys extend that row past its ``E`` columns."""
-    p, scale, causal, index, group_of, summaries, scratch = ctx
+def _attend(ctx, q: Tensor, lo: Tensor, pl: _RunRows, kx: Tensor, vx: Tensor, own_rows=None) -> Tensor:
+    """Outputs ``(B, H, nb * QB, Dv)`` of a run's query blocks ``q`` ``(B, H, nb * QB, D)``, their
+    rows ``pl`` gathered into ``kx``, ``vx`` (and ``own_rows``: :func:`_gather_runs`): one product
+    of each block's queries with its ``U`` window keys and its candidate keys gives every logit
+    it needs (leaf scores and exact logits); the selected ones are picked from it, and the exact
+    keys' weights, scattered back into a dense row, take one product with the values. Each
+    query's own candidate leaves (``query_beam``) extend that row past its ``E`` columns."""
+    p, scale, causal, index, group_of, summaries, scratch, M = ctx
     B, H, _, D = q.shape
     qb, bs, w = _options.QUERY_BLOCK, p.block_size, p.window
-    M, nbk = keys.shape[2] - p.slots, blocks.stop - blocks.start
+    blocks, U, L, crank, cok = pl.blocks, pl.U, pl.L, pl.crank, pl.cok
+    nbk = blocks.stop - blocks.start
     rows_q = slice(blocks.start * qb, blocks.stop * qb)
     lo_q = lo[rows_q].view(nbk, qb)
     first = lo_q[:, :1]
-    wrow = (first + torch.arange(U, device=q.device)).clamp(0, M - 1).expand(B, H, nbk, U)
-    crow, crank, cok = _candidates(index, M, leaf, leaf_ok, sealed, R, p)
-    L = crow.shape[-1]
-    idx = torch.cat([wrow, crow.flatten(-2)], -1)
-    E, Dv = idx.shape[-1], values.shape[-1]
-    kx = rows(keys, idx, scratch.get("keys", (B, H, nbk, E, D), q))
-    vx = rows(values, idx, scratch.get("values", (B, H, nbk, E, Dv), q))
-    qs = q[:, :, rows_q].unflatten(2, (nbk, qb)) * scale
+    E = pl.idx.shape[-1]
+    qs = q.unflatten(2, (nbk, qb)) * scale
     logits_all = scratch.get("logits", (B, H, nbk, qb, E), q)
     logits_all = qs @ kx.mT if logits_all is None else torch.matmul(qs, kx.mT, out=logits_all)
     row_logits, x, Lo = logits_all, logits_all[..., U:], 0
+    own = pl.own
     if own is not None:  # each query's own leaves: keys and values gathered per query
-        orow, orank, ook = _tree_rows(index, M, own[0].unflatten(2, (nbk, qb)), own[1].unflatten(2, (nbk, qb)), p)
-        Lo = orow.shape[-1]
-        ko, vo = rows(keys, orow.flatten(-2)), rows(values, orow.flatten(-2))  # (B, H, nb, QB, bs Lo, .)
+        _, orank, ook = own
+        Lo = orank.shape[-1]
+        ko, vo = own_rows  # (B, H, nb, QB, bs Lo, .)
         logits_own = (qs.unsqueeze(-2) @ ko.mT).squeeze(-2)
         row_logits = torch.cat([logits_all, logits_own], -1)
         x = torch.cat([x.unflatten(-1, (bs, L)), logits_own.unflatten(-1, (bs, Lo))], -1).flatten(-2)

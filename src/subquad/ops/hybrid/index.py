@@ -21,7 +21,7 @@ from torch import Tensor
 from .._common import modes_active
 from .options import HybridPlan
 
-__all__ = ["KeyIndex", "build_index", "rows", "numpy_path", "largest", "halves", "node_stats"]
+__all__ = ["KeyIndex", "build_index", "rows", "flat_rows", "numpy_path", "largest", "halves", "node_stats"]
 
 
 def rows(x: Tensor, idx: Tensor, out: Tensor | None = None) -> Tensor:
@@ -30,11 +30,17 @@ def rows(x: Tensor, idx: Tensor, out: Tensor | None = None) -> Tensor:
     whole rows (``index_select``), many times faster than an elementwise ``gather`` with an
     expanded index."""
     B, H, M, D = x.shape
-    base = (torch.arange(B * H, device=x.device) * M).view(B, H, *([1] * (idx.dim() - 2)))
-    flat = (idx + base).flatten()
+    flat = flat_rows(x, idx)
     if out is None:
         return x.reshape(B * H * M, D).index_select(0, flat).view(*idx.shape, D)
     return torch.index_select(x.reshape(B * H * M, D), 0, flat, out=out.view(-1, D)).view(*idx.shape, D)
+
+
+def flat_rows(x: Tensor, idx: Tensor) -> Tensor:
+    """Per-head row indices ``idx`` ``(B, H, *shape)`` into ``x`` ``(B, H, M, D)`` as one vector of
+    rows of ``x`` viewed ``(B H M, D)``."""
+    B, H, M = x.shape[:3]
+    return (idx + (torch.arange(B * H, device=x.device) * M).view(B, H, *([1] * (idx.dim() - 2)))).flatten()
 
 
 def numpy_path(x: Tensor) -> bool:
