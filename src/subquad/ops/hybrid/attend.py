@@ -112,28 +112,29 @@ def hybrid_core(q: Tensor, k: Tensor, v: Tensor, lo: list[int], causal: bool, sc
         else:  # the coarse group of every key rank: invert the slot order
             slot_group = (torch.arange(p.slots, device=q.device) // (p.slots // p.num_summaries)).expand_as(index.order)
             group_of = torch.empty_like(index.order).scatter_(2, index.order, slot_group)[..., :M]
+    row_bytes = (D + v.shape[-1]) * q.element_size()
+    cand_keys = (leaf.shape[-1] + (0 if own is None else qb * own[0].shape[-1])) * p.block_size
+    run_list = runs(lo_list, sealed_list, p, qb, cand_keys, row_bytes)
+    sizes = [(blocks.stop - blocks.start) * qb for blocks, _, _ in run_list]
     with record_function("hybrid.summaries"):
         if causal:
-            summaries = causal_summaries(qp, k, v, lop, p.num_summaries, p.block_size, scale)
+            summaries = causal_summaries(qp, k, v, lop, p.num_summaries, p.block_size, scale, sizes)
         else:
-            summaries = tree_summaries(qp, ko, vo, index.slot_valid, p.num_summaries, scale)
+            summaries = tree_summaries(qp, ko, vo, index.slot_valid, p.num_summaries, scale, sizes)
     keys, values = torch.cat([k, ko], 2), torch.cat([v, vo], 2)
     tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     scratch = _Scratch(not torch.compiler.is_compiling() and not tracked)
-    row_bytes = (D + v.shape[-1]) * q.element_size()
-    cand_keys = (leaf.shape[-1] + (0 if own is None else qb * own[0].shape[-1])) * p.block_size
     ctx = (p, scale, causal, index, group_of, summaries, scratch, M)
     plans = []
     with torch.no_grad():
-        for blocks, U, R in runs(lo_list, sealed_list, p, qb, cand_keys, row_bytes):
+        for i, (blocks, U, R) in enumerate(run_list):
             rq = slice(blocks.start * qb, blocks.stop * qb)
             plans.append(_run_rows(ctx, lop, leaf[:, :, blocks], leaf_ok[:, :, blocks],
-                                   None if sealed is None else sealed[blocks], blocks, U, R,
+                                   None if sealed is None else sealed[blocks], i, blocks, U, R,
                                    None if own is None else (own[0][:, :, rq], own[1][:, :, rq])))
     gathered = _gather_runs(keys, values, plans, scratch, tracked)
-    q_runs = qp.split([(pl.blocks.stop - pl.blocks.start) * qb for pl in plans], 2)
     outs = []
-    for plan_, q_run, gathered_rows in zip(plans, q_runs, gathered):
+    for plan_, q_run, gathered_rows in zip(plans, qp.split(sizes, 2), gathered):  # split: see tree_summaries
         with record_function("hybrid.attend"):
             outs.append(_attend(ctx, q_run, lop, plan_, *gathered_rows))
     return torch.cat(outs, 2)[:, :, :N]
@@ -144,8 +145,9 @@ class _RunRows:
     """What a run of query blocks gathers: ``idx`` ``(B, H, nb, E)`` rows (into ``[keys by rank;
     keys by slot]``) of its window (the first ``U``) and candidate keys, the candidates' ranks
     and validity (slot-major, ``L`` leaves), and per query its own leaves' rows, ranks and validity
-    (``query_beam``; None without)."""
+    (``query_beam``; None without). ``run``: its position among the runs."""
 
+    run: int
     blocks: slice
     U: int
     L: int
@@ -155,8 +157,8 @@ class _RunRows:
     own: tuple[Tensor, Tensor, Tensor] | None
 
 
-def _run_rows(ctx, lo: Tensor, leaf: Tensor, leaf_ok: Tensor, sealed: Tensor | None, blocks: slice, U: int, R: int,
-              own=None) -> _RunRows:
+def _run_rows(ctx, lo: Tensor, leaf: Tensor, leaf_ok: Tensor, sealed: Tensor | None, run: int, blocks: slice, U: int,
+              R: int, own=None) -> _RunRows:
     """The rows the query blocks ``blocks`` gather (:class:`_RunRows`)."""
     p, index, M = ctx[0], ctx[3], ctx[7]
     qb = _options.QUERY_BLOCK
@@ -167,7 +169,7 @@ def _run_rows(ctx, lo: Tensor, leaf: Tensor, leaf_ok: Tensor, sealed: Tensor | N
     crow, crank, cok = _candidates(index, M, leaf, leaf_ok, sealed, R, p)
     if own is not None:
         own = _tree_rows(index, M, own[0].unflatten(2, (nbk, qb)), own[1].unflatten(2, (nbk, qb)), p)
-    return _RunRows(blocks, U, crow.shape[-1], torch.cat([wrow, crow.flatten(-2)], -1), crank, cok, own)
+    return _RunRows(run, blocks, U, crow.shape[-1], torch.cat([wrow, crow.flatten(-2)], -1), crank, cok, own)
 
 
 class _RowsOfRuns(torch.autograd.Function):
@@ -329,7 +331,7 @@ def _attend(ctx, q: Tensor, lo: Tensor, pl: _RunRows, kx: Tensor, vx: Tensor, ow
         else:
             egroup = group_of.gather(2, pos.flatten(2)).view(pos.shape)
     logits = row_logits.gather(-1, cols).flatten(2, 3)
-    qk, count, sub, egroup, vals = summaries(rows_q, pos.flatten(2, 3), ok.flatten(2, 3), egroup.flatten(2, 3))
+    qk, count, sub, egroup, vals = summaries(pl.run, pos.flatten(2, 3), ok.flatten(2, 3), egroup.flatten(2, 3))
 
     def exact_values(we):
         dense = scratch.get("weights", row_logits.shape, q)

@@ -27,16 +27,19 @@ def _group_sums(k: Tensor, v: Tensor, valid: Tensor, size: int):
     return w.view(B, H, G, size, 1), (k * w).view(B, H, G, size, -1), (v * w).view(B, H, G, size, -1)
 
 
-def tree_summaries(q: Tensor, ko: Tensor, vo: Tensor, slot_valid: Tensor, num_summaries: int, scale: float) -> Callable:
+def tree_summaries(q: Tensor, ko: Tensor, vo: Tensor, slot_valid: Tensor, num_summaries: int, scale: float,
+                   sizes: list[int]) -> Callable:
     """Non-causal: ``q`` ``(B, H, N, D)``, keys and values in slot order; the groups are runs of
-    ``S / num_summaries`` slots. Returns ``columns(rows, pos, ok, egroup)``, what :func:`combine`
-    takes for a run of query rows and its exact keys (every exact key leaves its group)."""
+    ``S / num_summaries`` slots. Returns ``columns(i, pos, ok, egroup)``, what :func:`combine`
+    takes for run ``i`` of the query rows (``sizes``: rows per run, in order) and its exact keys
+    (every exact key leaves its group). Split, not sliced per run: a slice's backward fills a
+    gradient the size of the whole."""
     cnt, ks, vs = _group_sums(ko, vo, slot_valid, ko.shape[2] // num_summaries)
-    qk = (q @ ks.sum(3).transpose(-2, -1)) * scale
+    qk = ((q @ ks.sum(3).transpose(-2, -1)) * scale).split(sizes, 2)
     count, vsum = cnt.sum(3).squeeze(-1).unsqueeze(2), vs.sum(3)
 
-    def columns(rows, pos, ok, egroup):
-        return qk[:, :, rows], count, ok, egroup, lambda pc: pc @ vsum
+    def columns(i, pos, ok, egroup):
+        return qk[i], count, ok, egroup, lambda pc: pc @ vsum
 
     return columns
 
@@ -47,11 +50,13 @@ def causal_group_size(M: int, num_summaries: int, block_size: int) -> int:
 
 
 def causal_summaries(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, num_summaries: int, block_size: int,
-                     scale: float) -> Callable:
+                     scale: float, sizes: list[int]) -> Callable:
     """Causal: keys and values by rank ``(B, H, M, .)``; the summarised region of query ``i`` is
     the keys before its window, ``[0, a_i)`` with ``a_i = max(lo_i, 0)``. Groups that end by
     ``a_i`` enter whole; the group holding ``a_i`` enters with its part before ``a_i`` as an
-    extra column ``G``. Only selected keys (all before ``a_i``) leave a summary."""
+    extra column ``G``. Only selected keys (all before ``a_i``) leave a summary. Returns
+    ``columns(i, pos, ok, egroup)`` for run ``i`` of the query rows (``sizes``), as
+    :func:`tree_summaries`."""
     M = k.shape[2]
     size = causal_group_size(M, num_summaries, block_size)
     extra = size * num_summaries - M
@@ -68,14 +73,17 @@ def causal_summaries(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, num_summaries:
     qk = torch.cat([q @ tot_k.transpose(-2, -1), (q * part_k).sum(-1, keepdim=True)], dim=-1) * scale
     count = torch.cat([cnt.sum(3).squeeze(-1).unsqueeze(2) * full, part_c], dim=-1)
 
-    def columns(rows, pos, ok, egroup):
-        egroup = torch.where(egroup == g_a[rows, None], G, egroup)
-        sub = ok & (pos < a[rows, None])
+    qk, count, part_v = (t.split(sizes, 2) for t in (qk, count, part_v))
+    a, g_a = a.split(sizes), g_a.split(sizes)
+
+    def columns(i, pos, ok, egroup):
+        egroup = torch.where(egroup == g_a[i][:, None], G, egroup)
+        sub = ok & (pos < a[i][:, None])
 
         def values(pc):
-            return pc[..., :G] @ tot_v + pc[..., G:] * part_v[:, :, rows]
+            return pc[..., :G] @ tot_v + pc[..., G:] * part_v[i]
 
-        return qk[:, :, rows], count[:, :, rows], sub, egroup, values
+        return qk[i], count[i], sub, egroup, values
 
     return columns
 
