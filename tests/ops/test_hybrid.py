@@ -164,10 +164,21 @@ def _assert_gradients_match_naive(case):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradgradcheck_over_many_runs(causal, monkeypatch):
+    """Second derivatives through the runs' shared gather, every block a run of its own."""
+    monkeypatch.setattr(hybrid_options, "QUERY_BLOCK", 4)
+    monkeypatch.setattr(hybrid_options, "CHUNK_BYTES", 1)
+    q, k, v = qkv(2, 1, 13, 2, dv=2, seed=5, requires_grad=True)  # more keys than the budget: no exact fallback
+    opts = dict(SMALL, candidates=2, beam=1, chunk_size=2, query_beam=2)
+    assert torch.autograd.gradgradcheck(lambda a, b, c: hybrid_attention(a, b, c, causal=causal, **opts), (q, k, v))
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("query_beam", [0, 2])
 def test_gradcheck(causal, query_beam):
-    q, k, v = qkv(1, 1, 9, 4, dv=3, seed=5, requires_grad=True)
+    q, k, v = qkv(1, 1, 13, 2, dv=2, seed=5, requires_grad=True)  # more keys than the budget: no exact fallback
     opts = dict(SMALL, candidates=2, beam=1, chunk_size=2, query_beam=query_beam)
     assert torch.autograd.gradcheck(lambda a, b, c: hybrid_attention(a, b, c, causal=causal, **opts), (q, k, v))
 

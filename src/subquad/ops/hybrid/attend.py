@@ -132,11 +132,13 @@ def hybrid_core(q: Tensor, k: Tensor, v: Tensor, lo: list[int], causal: bool, sc
             plans.append(_run_rows(ctx, lop, leaf[:, :, blocks], leaf_ok[:, :, blocks],
                                    None if sealed is None else sealed[blocks], i, blocks, U, R,
                                    None if own is None else (own[0][:, :, rq], own[1][:, :, rq])))
-    gathered = _gather_runs(keys, values, plans, scratch, tracked)
+    # one gather for all runs only where its gradient is wanted: else each run's rows can go
+    batched = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
+    gathered = _gather_runs(keys, values, plans, scratch, batched)
     outs = []
-    for plan_, q_run, gathered_rows in zip(plans, qp.split(sizes, 2), gathered):  # split: see tree_summaries
+    for run_rows, q_run, gathered_rows in zip(plans, qp.split(sizes, 2), gathered):  # split: see tree_summaries
         with record_function("hybrid.attend"):
-            outs.append(_attend(ctx, q_run, lop, plan_, *gathered_rows))
+            outs.append(_attend(ctx, q_run, lop, run_rows, *gathered_rows))
     return torch.cat(outs, 2)[:, :, :N]
 
 
@@ -160,7 +162,7 @@ class _RunRows:
 def _run_rows(ctx, lo: Tensor, leaf: Tensor, leaf_ok: Tensor, sealed: Tensor | None, run: int, blocks: slice, U: int,
               R: int, own=None) -> _RunRows:
     """The rows the query blocks ``blocks`` gather (:class:`_RunRows`)."""
-    p, index, M = ctx[0], ctx[3], ctx[7]
+    p, _, _, index, _, _, _, M = ctx
     qb = _options.QUERY_BLOCK
     B, H = leaf.shape[:2]
     nbk = blocks.stop - blocks.start
@@ -173,18 +175,18 @@ def _run_rows(ctx, lo: Tensor, leaf: Tensor, leaf_ok: Tensor, sealed: Tensor | N
 
 
 class _RowsOfRuns(torch.autograd.Function):
-    """Rows ``x[i]`` of ``x`` ``(R, D)`` for each index vector ``i`` of ``idx``, whose backward
+    """Rows ``x[i]`` of ``x`` ``(n, D)`` for each index vector ``i`` of ``idx``, whose backward
     adds every output's gradient into one tensor the size of ``x`` (a gather per run would
     zero-fill and sum one such tensor per run: a third of the backward at N = 16384)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, *idx: Tensor) -> tuple[Tensor, ...]:
         ctx.save_for_backward(*idx)
+        ctx.set_materialize_grads(False)  # a run whose rows get no gradient adds nothing
         ctx.rows = x.shape[0]
         return tuple(x.index_select(0, i) for i in idx)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, *grads: Tensor):
         idx = ctx.saved_tensors
         out = None
@@ -195,13 +197,13 @@ class _RowsOfRuns(torch.autograd.Function):
         return (out,) + (None,) * len(idx)
 
 
-def _gather_runs(keys: Tensor, values: Tensor, plans: list[_RunRows], scratch: _Scratch, tracked: bool):
+def _gather_runs(keys: Tensor, values: Tensor, plans: list[_RunRows], scratch: _Scratch, batched: bool):
     """Per run, its window and candidate keys and values ``(B, H, nb, E, .)`` and its queries'
-    own leaves' ``(B, H, nb, QB, bs Lo, .)`` (None without): under autograd, every run's at once
-    through :class:`_RowsOfRuns`; else run by run into reused scratch, when the run comes (a
-    generator)."""
+    own leaves' ``(B, H, nb, QB, bs Lo, .)`` (None without): ``batched``, every run's at once
+    through :class:`_RowsOfRuns`; else run by run, into reused scratch where it is enabled. A
+    generator to consume one run at a time: a run's rows may overwrite the previous run's."""
     idx = [[pl.idx] + ([] if pl.own is None else [pl.own[0].flatten(-2)]) for pl in plans]
-    if tracked:
+    if batched:
         flat = [flat_rows(keys, i) for run in idx for i in run]
         got = iter(zip(*(_RowsOfRuns.apply(x.reshape(-1, x.shape[-1]), *flat) for x in (keys, values))))
         for run in idx:
@@ -278,15 +280,16 @@ def _candidates(index: KeyIndex, M: int, leaf: Tensor, leaf_ok: Tensor, sealed: 
     return row, rank, ok
 
 
-def _attend(ctx, q: Tensor, lo: Tensor, pl: _RunRows, kx: Tensor, vx: Tensor, own_rows=None) -> Tensor:
+def _attend(ctx, q: Tensor, lo: Tensor, pl: _RunRows, kx: Tensor, vx: Tensor,
+            own_rows: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Outputs ``(B, H, nb * QB, Dv)`` of a run's query blocks ``q`` ``(B, H, nb * QB, D)``, their
     rows ``pl`` gathered into ``kx``, ``vx`` (and ``own_rows``: :func:`_gather_runs`): one product
     of each block's queries with its ``U`` window keys and its candidate keys gives every logit
     it needs (leaf scores and exact logits); the selected ones are picked from it, and the exact
     keys' weights, scattered back into a dense row, take one product with the values. Each
     query's own candidate leaves (``query_beam``) extend that row past its ``E`` columns."""
-    p, scale, causal, index, group_of, summaries, scratch, M = ctx
-    B, H, _, D = q.shape
+    p, scale, causal, _, group_of, summaries, scratch, M = ctx
+    B, H = q.shape[:2]
     qb, bs, w = _options.QUERY_BLOCK, p.block_size, p.window
     blocks, U, L, crank, cok = pl.blocks, pl.U, pl.L, pl.crank, pl.cok
     nbk = blocks.stop - blocks.start
