@@ -14,7 +14,7 @@ from subquad.ops.hybrid import HybridOptions, hybrid_attention, plan
 from subquad.ops.hybrid.attend import hybrid_core, window_starts
 from subquad.ops.hybrid.index import build_index
 from subquad.ops.hybrid.kernel import _exp, hybrid_kernel
-from subquad.ops.hybrid.kernel_tree import build_index_compiled
+from subquad.ops.hybrid.kernel_tree import build_index_compiled, parallel
 
 
 def _both(q, k, v, causal, **options):
@@ -96,6 +96,24 @@ def test_which_path_runs(monkeypatch):
     with torch.no_grad(), hybrid.torch_path():  # the public switch: the kernel stays off inside
         torch.testing.assert_close(hybrid_attention(q, k, v, budget=16), out.detach(), rtol=1e-10, atol=1e-10)
     assert not calls and hybrid._KERNEL_ON == [True]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 9])
+@pytest.mark.parametrize("total", [0, 1, 5, 100])
+def test_parallel_covers_every_task_once(threads, total):
+    """The kernel's thread pool: chunks that cover ``[0, total)`` once, whatever the thread count;
+    a worker's error reaches the caller."""
+    seen = []
+    parallel(lambda a, b: seen.extend(range(a, b)), total, threads)
+    assert sorted(seen) == list(range(total))
+
+    def fail(a, b):
+        if a <= total // 2 < b:
+            raise ValueError("task failed")
+
+    if total:
+        with pytest.raises(ValueError, match="task failed"):
+            parallel(fail, total, threads)
 
 
 def test_one_thread_and_bf16_input():

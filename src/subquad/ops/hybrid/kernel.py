@@ -4,14 +4,14 @@ of the key tree, the candidate leaves, one matrix product that gives every logit
 (window, candidate keys, summaries), and per query its own descent (``query_beam``: the first
 level for the whole block in one product, then a few nodes per level; its extra leaves' logits
 from the keys in slot order), the leaf scores, the top leaves, the summaries without the exact
-keys and one softmax. Tasks are spread over numba's threads; the
+keys and one softmax. Tasks are spread over threads (:func:`.kernel_tree.parallel`); the
 matrix products call BLAS (scipy's, limited to one thread inside the kernel so that the two
 thread pools do not fight).
 
 It computes what :func:`.attend.hybrid_core` computes (the same selection; values equal to
 rounding) from the same key index (:func:`.index.build_index`), without autograd: the torch path
 stays for gradients, other devices, ``torch.compile`` and dispatch modes. Ties between equal
-scores may be broken differently. The first call compiles (about a minute, once per machine and
+scores may be broken differently. The first call compiles (about 40 s on 2 x86 cores, once per machine and
 dtype); the result is cached on disk (``cache=True``: beside this file, or in the user's cache
 directory when that is read-only).
 """
@@ -24,11 +24,11 @@ from collections import namedtuple
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit
 
 from . import options as _options
 from .index import KeyIndex
-from .kernel_tree import build_index_compiled, reused
+from .kernel_tree import build_index_compiled, parallel, reused
 from .options import HybridPlan
 from .select import sealed_ends
 from .summaries import causal_group_size
@@ -463,7 +463,7 @@ def _first_level(qb, sealed, cfg, count, mean, direction, ends, s):
     np.dot(qb, s.vbuf[:rows].T, s.fproj[: qb.shape[0] * rows].reshape(qb.shape[0], rows))
 
 
-@njit(fastmath=_FAST, cache=True)
+@njit(fastmath=_FAST, cache=True, inline="always")
 def _own_descend(j, qv, sealed, cfg, count, mean, direction, ends, s):
     """Query ``j``'s own descent (beam ``cfg[15]``, from the start level's children scored by
     :func:`_first_level`): the final nodes in ``s.node`` / ``s.score``; returns how many. One
@@ -497,7 +497,7 @@ def _own_descend(j, qv, sealed, cfg, count, mean, direction, ends, s):
     return n
 
 
-@njit(fastmath=_FAST, cache=True)
+@njit(fastmath=_FAST, cache=True, inline="always")
 def _own_leaves(qv, lo_i, nown, nblock, sealed, M, keys, order, slot_valid, cfg, s):
     """The leaves of query ``qv``'s own final nodes (``s.node[:nown]``) that its block's
     (``s.mnode[:nblock]``) do not hold: their keys' logits ``s.xo`` (slot-major, -inf where not
@@ -543,17 +543,17 @@ def _task(h, blk, qs, k, v, lo, cfg, hd, s, out):
     s.qb[:nq] = qs[h, i0: i0 + nq]
     s.qb[nq:] = 0.0
     sealed = 0
-    tree = (hd.count[h], hd.mean[h], hd.direction[h], hd.ends[h])
+    count, mean, direction, ends = hd.count[h], hd.mean[h], hd.direction[h], hd.ends[h]
     if causal:
         sealed = max(max(lo_first, 0) // chunk - 1, 0) * chunk
     if cfg[15]:
-        _first_level(s.qb, sealed, cfg, *tree, s)
+        _first_level(s.qb, sealed, cfg, count, mean, direction, ends, s)
     if causal:
         for j in range(QB):  # the QB queries ending at the block's first one
             s.qd[j] = qs[h, max(i0 - QB + 1 + j, 0)]
-        nfin = _descend(s.qd, QB, sealed, cfg, *tree, s)
+        nfin = _descend(s.qd, QB, sealed, cfg, count, mean, direction, ends, s)
     else:
-        nfin = _descend(s.qb, nq, sealed, cfg, *tree, s)
+        nfin = _descend(s.qb, nq, sealed, cfg, count, mean, direction, ends, s)
     s.mnode[:nfin] = s.node[:nfin]
     s.mscore[:nfin] = s.score[:nfin]
     nleaf = _candidates(s.node, s.score, nfin, sealed, lo_last, M, hd.order[h], hd.slot_valid[h], cfg, s.rank, s.ok)
@@ -566,13 +566,13 @@ def _task(h, blk, qs, k, v, lo, cfg, hd, s, out):
     for j in range(nq):
         nown = 0
         if cfg[15]:
-            n = _own_descend(j, s.qb[j], sealed, cfg, *tree, s)
+            n = _own_descend(j, s.qb[j], sealed, cfg, count, mean, direction, ends, s)
             nown = _own_leaves(s.qb[j], lo[i0 + j], n, nfin, sealed, M, hd.keys[h], hd.order[h], hd.slot_valid[h],
                                   cfg, s)
         _query(logits[j], s.qb[j], lo[i0 + j], lo_first, M, nleaf, nown, nd, cfg, h, hd, v[h], s, out[h, i0 + j])
 
 
-@njit(fastmath=_FAST, cache=True)
+@njit(fastmath=_FAST, cache=True, inline="always")
 def _query(row, qv, lo_i, lo_first, M, nleaf, nown, nd, cfg, h, hd, v, s, out):
     """One query's output from its row of logits ``row`` (window from ``lo_first``, candidates,
     summaries' key sums) and its own leaves (``nown``, in ``s.xo``): the dirty keys it may not
@@ -615,25 +615,24 @@ def _scratch(D, Dv, sizes, like):
                    np.empty((K, 2), dt), np.empty(max(own, 1), dt), np.empty(max(own, 1), np.int64))
 
 
-@njit(parallel=True, fastmath=_FAST, cache=True)
-def _forward(qs, k, v, lo, cfg, sizes, hd, out):
-    """Every (head, query block) task, handed to numba's threads one at a time as they free up
-    (the caller sets a chunk size of 1): a thread the OS deschedules holds back only its task."""
-    BH, N = qs.shape[0], qs.shape[1]
-    QB = sizes[0]
+@njit(fastmath=_FAST, cache=True, nogil=True)
+def _forward(first, last, qs, k, v, lo, cfg, sizes, hd, out):
+    """Tasks ``[first, last)`` of the (head, query block) grid, with one scratch."""
+    N, QB = qs.shape[1], sizes[0]
     nb = (N + QB - 1) // QB
-    for t in prange(BH * nb):
-        s = _scratch(qs.shape[2], v.shape[2], sizes, qs)
+    s = _scratch(qs.shape[2], v.shape[2], sizes, qs)
+    for t in range(first, last):
         _task(t // nb, t % nb, qs, k, v, lo, cfg, hd, s, out)
 
 
-@njit(parallel=True, cache=True)
-def _tree_groups(order, valid, keys, v, gcnt, gk, gv, group_of):
-    """Non-causal coarse groups (runs of slots of the key tree): count, key and value sums, and
-    the group of every key rank; ``keys``: the keys in slot order (zero at empty slots)."""
-    BH, G = gcnt.shape
+@njit(cache=True, nogil=True)
+def _tree_groups(first, last, order, valid, keys, v, gcnt, gk, gv, group_of):
+    """Non-causal coarse groups ``[first, last)`` of ``(head, group)``: count, key and value
+    sums, and the group of every key rank (runs of slots of the key tree); ``keys``: the keys in
+    slot order (zero at empty slots)."""
+    G = gcnt.shape[1]
     size = order.shape[1] // G
-    for t in prange(BH * G):
+    for t in range(first, last):
         h, c = t // G, t % G
         gk[h, c] = 0.0
         gv[h, c] = 0.0
@@ -661,8 +660,9 @@ def _summary_arrays(k: torch.Tensor, v: torch.Tensor, index: KeyIndex, keys: tor
         dt = k.numpy().dtype
         gcnt, gk, gv = np.empty((BH, G), dt), np.empty((BH, G, D), dt), np.empty((BH, G, v.shape[-1]), dt)
         group_of = np.zeros((BH, M), np.int64)
-        _tree_groups(index.order.reshape(BH, -1).numpy(), index.slot_valid.reshape(BH, -1).numpy(),
-                     keys.reshape(BH, -1, D).numpy(), v.numpy(), gcnt, gk, gv, group_of)
+        arrays = (index.order.reshape(BH, -1).numpy(), index.slot_valid.reshape(BH, -1).numpy(),
+                  keys.reshape(BH, -1, D).numpy(), v.numpy(), gcnt, gk, gv, group_of)
+        parallel(lambda a, b: _tree_groups(a, b, *arrays), BH * G, torch.get_num_threads())
         none = np.zeros((BH, 1, 1, 1), dt)
         return gcnt, gk, gv, group_of, none, none
     gs = causal_group_size(M, G, p.block_size)
@@ -712,7 +712,6 @@ def hybrid_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: list[in
     """:func:`.attend.hybrid_core`'s output, computed by the kernel: ``q`` ``(B, H, N, D)``,
     real keys ``k``, ``v`` ``(B, H, M, .)`` in rank order (float32 or float64, CPU), window starts
     ``lo`` (one per query). No autograd."""
-    import numba
 
     B, H, N, D = q.shape
     M, Dv = k.shape[2], v.shape[-1]
@@ -729,12 +728,7 @@ def hybrid_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: list[in
     qs = reused("qs", (BH, N, D), kf.numpy().dtype)
     torch.mul(q.reshape(BH, N, D), scale, out=torch.from_numpy(qs))
     out = np.empty((BH, N, Dv), dtype=qs.dtype)
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
-    chunk = numba.set_parallel_chunksize(1)
-    try:
-        with _blas().limit(limits=1):
-            _forward(qs, kf.numpy(), vf.numpy(), np.asarray(lo, dtype=np.int64), cfg,
-                     _sizes(lo, N, M, p, D), heads, out)
-    finally:
-        numba.set_parallel_chunksize(chunk)
+    arrays = (qs, kf.numpy(), vf.numpy(), np.asarray(lo, dtype=np.int64), cfg, _sizes(lo, N, M, p, D), heads, out)
+    with _blas().limit(limits=1):
+        parallel(lambda a, b: _forward(a, b, *arrays), BH * -(-N // _options.QUERY_BLOCK), torch.get_num_threads())
     return torch.from_numpy(out).view(B, H, N, Dv)

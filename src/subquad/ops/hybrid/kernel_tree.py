@@ -1,22 +1,24 @@
 """hybrid's key index on CPU as compiled code (numba): the tree of :func:`.index.build_index`
 (same splits, same node summaries, to rounding), built level by level with the nodes of all
-heads spread over numba's threads, each node's keys moved once per level so that every pass over
-a node reads contiguous rows. Used by :mod:`.kernel`; no autograd."""
+heads spread over threads (:func:`parallel`), each node's keys moved once per level so that every
+pass over a node reads contiguous rows. Used by :mod:`.kernel`; no autograd."""
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
-import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit
 
 from .index import KeyIndex
 from .options import HybridPlan
 
-__all__ = ["build_index_compiled"]
+__all__ = ["build_index_compiled", "parallel", "reused"]
 
 _FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
@@ -140,21 +142,28 @@ def _node(h, a, m, scored, split, hp, iterations, x, valid, order, xn, vn, on, c
             on[h, a + j] = order[h, src]
 
 
-@njit(parallel=True, fastmath=_FAST, cache=True)
-def _level(level, scored, split, iterations, x, valid, order, xn, vn, on, count, mean, direction, ends, proj, idx):
-    """One level of every head's tree (:func:`_node` for each node), the nodes spread over
-    numba's threads in tasks of at least 1024 slots."""
+@njit(fastmath=_FAST, cache=True, nogil=True)
+def _level(first, last, level, scored, split, iterations, x, valid, order, xn, vn, on, count, mean, direction, ends,
+           proj, idx):
+    """Tasks ``[first, last)`` of one level of every head's tree (:func:`_node` for each node),
+    in tasks of at least 1024 slots (:func:`_level_tasks`)."""
     BH, S, D = x.shape
     nodes = 1 << level
     m = S // nodes
     per_task = max(1, min(nodes, 1024 // m))
     tasks = nodes // per_task
-    for t in prange(BH * tasks):
-        h, first = t // tasks, (t % tasks) * per_task
-        mu, u, acc = np.empty(D, x.dtype), np.empty(D, x.dtype), np.empty(D, x.dtype)
-        for nd in range(first, first + per_task):
+    mu, u, acc = np.empty(D, x.dtype), np.empty(D, x.dtype), np.empty(D, x.dtype)
+    for t in range(first, last):
+        h, first_node = t // tasks, (t % tasks) * per_task
+        for nd in range(first_node, first_node + per_task):
             _node(h, nd * m, m, scored, split, nodes + nd, iterations, x, valid, order, xn, vn, on, count, mean,
                   direction, ends, proj, idx, mu, u, acc)
+
+
+def _level_tasks(BH: int, S: int, level: int) -> int:
+    """How many tasks :func:`_level` splits a level into."""
+    nodes = 1 << level
+    return BH * (nodes // max(1, min(nodes, 1024 // (S // nodes))))
 
 
 _local = threading.local()
@@ -162,6 +171,41 @@ _local = threading.local()
 # taken by numba's threads at once they cost more than the work (measured: the first level of
 # 8 heads x 16384 keys, 62 ms in fresh arrays, 9 ms in reused ones)
 REUSE_BYTES = 1 << 26
+
+
+_pool: dict[tuple[int, int], ThreadPoolExecutor] = {}  # by (process, threads): the last one asked for
+
+
+def parallel(work, total: int, threads: int) -> None:
+    """``work(first, last)`` over ``[0, total)`` in chunks on ``threads`` threads (this one and a
+    shared pool's), each taking the next chunk as it frees up: a thread the OS deschedules holds
+    back only its chunk. ``work`` runs compiled code that releases the GIL (``nogil=True``). Python
+    threads rather than numba's ``prange``: a parallel function's compile took a quarter of the
+    kernel's cold start, and no second OpenMP runtime is loaded beside torch's."""
+    threads = max(1, min(threads, total))
+    if threads == 1:
+        work(0, total)
+        return
+    chunk = max(1, total // (8 * threads))
+    counter = itertools.count()
+
+    def loop():
+        while (first := next(counter) * chunk) < total:
+            work(first, min(first + chunk, total))
+
+    key = (os.getpid(), threads - 1)  # a forked child has none of its parent's pool threads
+    if key not in _pool:
+        for (pid, _), old in _pool.items():
+            if pid == key[0]:
+                old.shutdown(wait=False)
+        _pool.clear()
+        _pool[key] = ThreadPoolExecutor(threads - 1, thread_name_prefix="subquad")
+    futures = [_pool[key].submit(loop) for _ in range(threads - 1)]
+    try:
+        loop()
+    finally:
+        for f in futures:
+            f.result()
 
 
 def reused(name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -194,18 +238,16 @@ def build_index_compiled(k: torch.Tensor, p: HybridPlan) -> tuple[KeyIndex, torc
     count, ends = np.zeros((BH, heap), dt), np.zeros((BH, heap, 2), dt)
     mean, direction = np.zeros((BH, heap, D), dt), np.zeros((BH, heap, D), dt)
     proj, idx = reused("proj", (BH, S), dt), reused("idx", (BH, S), np.int64)
-    chunk = numba.set_parallel_chunksize(1)  # nodes handed out as threads free up
-    try:
-        for level in range(p.depth + 1):
-            scored = p.start_level < level <= p.final_level
-            split = p.chunk_level <= level < p.depth
-            if scored or split:
-                _level(level, scored, split, p.tree_iterations, x, valid, order, xn, vn, on, count, mean,
-                       direction, ends, proj, idx)
-            if split:
-                x, xn, valid, vn, order, on = xn, x, vn, valid, on, order
-    finally:
-        numba.set_parallel_chunksize(chunk)
+    for level in range(p.depth + 1):
+        scored = p.start_level < level <= p.final_level
+        split = p.chunk_level <= level < p.depth
+        if scored or split:
+            arrays = (x, valid, order, xn, vn, on, count, mean, direction, ends, proj, idx)
+            parallel(lambda a, b, lv=level, sc=scored, sp=split, ar=arrays: _level(a, b, lv, sc, sp,
+                                                                                  p.tree_iterations, *ar),
+                     _level_tasks(BH, S, level), torch.get_num_threads())
+        if split:
+            x, xn, valid, vn, order, on = xn, x, vn, valid, on, order
 
     def t(a):
         return torch.from_numpy(a).view(B, H, *a.shape[1:])
