@@ -13,7 +13,7 @@ from conftest import qkv
 from subquad.ops.hybrid import HybridOptions, hybrid_attention, plan
 from subquad.ops.hybrid.attend import hybrid_core, window_starts
 from subquad.ops.hybrid.index import build_index
-from subquad.ops.hybrid.kernel import _exp, hybrid_kernel
+from subquad.ops.hybrid.kernel import _exp, _top, _top_many, hybrid_kernel
 from subquad.ops.hybrid.kernel_tree import build_index_compiled, parallel
 
 
@@ -96,6 +96,27 @@ def test_which_path_runs(monkeypatch):
     with torch.no_grad(), hybrid.torch_path():  # the public switch: the kernel stays off inside
         torch.testing.assert_close(hybrid_attention(q, k, v, budget=16), out.detach(), rtol=1e-10, atol=1e-10)
     assert not calls and hybrid._KERNEL_ON == [True]
+
+
+@pytest.mark.parametrize("n, k", [(128, 12), (100, 12), (129, 12), (256, 24), (128, 1), (47, 12), (64, 0)])
+def test_top_many_equals_insertion(n, k):
+    """The bounded top-k picks what the insertion picks, in its order (ties: the earlier entry),
+    never an entry at -inf or NaN: random rows, rows of ties, rows mostly or wholly at -inf."""
+    rng = np.random.default_rng(n + k)
+    rows = rng.standard_normal((40, n)).astype(np.float32)
+    rows[1::5] = np.round(rows[1::5])
+    rows[2::5, ::3] = -np.inf
+    rows[3::5, 1:] = -np.inf
+    rows[4::5, ::7] = np.nan
+    rows[5] = -np.inf
+    rows[6, 5:40] = np.inf
+    for x in rows:
+        idx, val = np.zeros(n, np.int64), np.zeros(n, np.float32)
+        idx2, val2 = np.zeros(n, np.int64), np.zeros(n, np.float32)
+        m = _top(x, n, k, idx, val)
+        assert _top_many(x, n, k, idx2, val2, np.zeros(n, np.int64), np.zeros(n, np.float32)) == m
+        assert idx2[:m].tolist() == idx[:m].tolist() and val2[:m].tolist() == val[:m].tolist()
+        assert m == min(k, int((x > -np.inf).sum())) and (val[:m] > -np.inf).all()
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 9])

@@ -89,6 +89,33 @@ def _top(x, n, k, idx, val):
     return m
 
 
+@njit(fastmath=_FAST, cache=True, inline="always")
+def _top_many(x, n, k, idx, val, ci, cv):
+    """:func:`_top` (the same entries, the same order) for ``n`` of at least ``4 k``: the smallest
+    of ``k`` strided maxima bounds the ``k``-th largest from below (``k`` distinct entries reach
+    it), so only the entries at or above it (``ci``, ``cv``: scratch of ``n``) go through the
+    insertion, whose mispredicted branches cost more than the vectorised passes (about 30 %
+    faster at 12 of 128)."""
+    if k < 1 or n < 4 * k:
+        return _top(x, n, k, idx, val)
+    bound = x.dtype.type(np.inf)
+    for lane in range(k):
+        m = x.dtype.type(_NEG)
+        for g in range(n // k):
+            y = x[g * k + lane]
+            m = y if y > m else m
+        bound = min(bound, m)
+    c = 0
+    for i in range(n):
+        y = x[i]
+        ci[c], cv[c] = i, y
+        c += (y >= bound) & (y > _NEG)
+    m = _top(cv, c, k, idx, val)
+    for a in range(m):
+        idx[a] = ci[idx[a]]
+    return m
+
+
 @njit(fastmath=_FAST, cache=True)
 def _children(node, score, n, level, sealed, cfg, count, child, base, straddle):
     """The ``2 n`` children of the kept nodes, their log counts (``mass``; 0 for ``mean``; -inf
@@ -244,7 +271,7 @@ def _leaf_top(x, nleaf, xo, nown, cfg, s):
     if not mass:
         _leaf_mean(x, nleaf, 0, bs, s)
         _leaf_mean(xo, nown, nleaf, bs, s)
-        return _top(sc, n, ns, s.topi, s.topv)
+        return _top_many(sc, n, ns, s.topi, s.topv, s.ci, s.cv)
     top = x.dtype.type(_NEG)
     for e in range(bs * nleaf):
         top = max(top, x[e])
@@ -256,7 +283,7 @@ def _leaf_top(x, nleaf, xo, nown, cfg, s):
     _leaf_mass(xo, nown, nleaf, top, bs, s)
     for leaf in range(n):  # exp(score - top): the same order as the score; 0 -> never taken
         sc[leaf] = sc[leaf] if sc[leaf] > 0 else _NEG
-    return _top(sc, n, ns, s.topi, s.topv)
+    return _top_many(sc, n, ns, s.topi, s.topv, s.ci, s.cv)
 
 
 @njit(fastmath=_FAST, cache=True, inline="always")
@@ -591,7 +618,7 @@ def _query(row, qv, lo_i, lo_first, M, nleaf, nown, nd, cfg, h, hd, v, s, out):
 
 Scratch = namedtuple("Scratch", "qb qd node score child base straddle vbuf cs tmp topi topv pflat rank ok kb dims "
                                 "lscore xl xr xg cq cn lc dirty e0 e1 ex bits vb xv mnode mscore "
-                                "fproj fchild fbase fstraddle fends xo ro")
+                                "fproj fchild fbase fstraddle fends xo ro ci cv")
 Heads = namedtuple("Heads", "order slot_valid count mean direction ends gcnt gk gv group_of prek prev keys")
 
 
@@ -612,7 +639,8 @@ def _scratch(D, Dv, sizes, like):
                    np.empty(n_ex, np.int32), np.empty((E + X, Dv), dt), np.empty(X, np.int64),
                    np.empty(2 * nodes, np.int64), np.empty(2 * nodes, dt),
                    np.empty(QB * 2 * K, dt), np.empty(K, np.int64), np.empty(K, dt), np.empty(K, np.bool_),
-                   np.empty((K, 2), dt), np.empty(max(own, 1), dt), np.empty(max(own, 1), np.int64))
+                   np.empty((K, 2), dt), np.empty(max(own, 1), dt), np.empty(max(own, 1), np.int64),
+                   np.empty(L + own, np.int64), np.empty(L + own, dt))
 
 
 @njit(fastmath=_FAST, cache=True, nogil=True)
