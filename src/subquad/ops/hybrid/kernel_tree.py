@@ -168,7 +168,7 @@ def _level_tasks(BH: int, S: int, level: int) -> int:
 
 _local = threading.local()
 # arrays up to this size are kept for the thread's next call: fresh memory costs page faults, and
-# taken by numba's threads at once they cost more than the work (measured: the first level of
+# taken by the kernel's threads at once they cost more than the work (measured: the first level of
 # 8 heads x 16384 keys, 62 ms in fresh arrays, 9 ms in reused ones)
 REUSE_BYTES = 1 << 26
 
@@ -181,7 +181,7 @@ def parallel(work, total: int, threads: int) -> None:
     shared pool's), each taking the next chunk as it frees up: a thread the OS deschedules holds
     back only its chunk. ``work`` runs compiled code that releases the GIL (``nogil=True``). Python
     threads rather than numba's ``prange``: a parallel function's compile took a quarter of the
-    kernel's cold start, and no second OpenMP runtime is loaded beside torch's."""
+    kernel's cold start, and the forward loads no second OpenMP runtime beside torch's."""
     threads = max(1, min(threads, total))
     if threads == 1:
         work(0, total)
