@@ -4,6 +4,9 @@ and when each path runs. Against the plain definition, test_hybrid.py runs both 
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -135,6 +138,29 @@ def test_parallel_covers_every_task_once(threads, total):
     if total:
         with pytest.raises(ValueError, match="task failed"):
             parallel(fail, total, threads)
+
+
+def _pool_in_child(queue):
+    seen = []
+    parallel(lambda a, b: seen.extend(range(a, b)), 50, 2)
+    queue.put(sorted(seen))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_parallel_after_fork():
+    """A forked child has none of its parent's pool threads: it makes its own pool (the parent's
+    would wait forever on threads that do not exist)."""
+    parallel(lambda a, b: None, 50, 2)  # the parent's pool exists
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_pool_in_child, args=(queue,))
+    child.start()
+    try:
+        assert queue.get(timeout=30) == list(range(50))
+        child.join(timeout=30)
+        assert child.exitcode == 0
+    finally:
+        child.kill()
 
 
 def test_one_thread_and_bf16_input():
