@@ -644,7 +644,7 @@ def _scratch(D, Dv, sizes, like):
 
 
 @njit(fastmath=_FAST, cache=True, nogil=True)
-def _forward(first, last, qs, k, v, lo, cfg, sizes, hd, out):
+def _forward(qs, k, v, lo, cfg, sizes, hd, out, first, last):
     """Tasks ``[first, last)`` of the (head, query block) grid, with one scratch."""
     N, QB = qs.shape[1], sizes[0]
     nb = (N + QB - 1) // QB
@@ -654,7 +654,7 @@ def _forward(first, last, qs, k, v, lo, cfg, sizes, hd, out):
 
 
 @njit(cache=True, nogil=True)
-def _tree_groups(first, last, order, valid, keys, v, gcnt, gk, gv, group_of):
+def _tree_groups(order, valid, keys, v, gcnt, gk, gv, group_of, first, last):
     """Non-causal coarse groups ``[first, last)`` of ``(head, group)``: count, key and value
     sums, and the group of every key rank (runs of slots of the key tree); ``keys``: the keys in
     slot order (zero at empty slots)."""
@@ -688,9 +688,9 @@ def _summary_arrays(k: torch.Tensor, v: torch.Tensor, index: KeyIndex, keys: tor
         dt = k.numpy().dtype
         gcnt, gk, gv = np.empty((BH, G), dt), np.empty((BH, G, D), dt), np.empty((BH, G, v.shape[-1]), dt)
         group_of = np.zeros((BH, M), np.int64)
-        arrays = (index.order.reshape(BH, -1).numpy(), index.slot_valid.reshape(BH, -1).numpy(),
-                  keys.reshape(BH, -1, D).numpy(), v.numpy(), gcnt, gk, gv, group_of)
-        parallel(lambda a, b: _tree_groups(a, b, *arrays), BH * G, torch.get_num_threads())
+        parallel(functools.partial(_tree_groups, index.order.reshape(BH, -1).numpy(),
+                                   index.slot_valid.reshape(BH, -1).numpy(), keys.reshape(BH, -1, D).numpy(),
+                                   v.numpy(), gcnt, gk, gv, group_of), BH * G, torch.get_num_threads())
         none = np.zeros((BH, 1, 1, 1), dt)
         return gcnt, gk, gv, group_of, none, none
     gs = causal_group_size(M, G, p.block_size)
@@ -756,7 +756,8 @@ def hybrid_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: list[in
     qs = reused("qs", (BH, N, D), kf.numpy().dtype)
     torch.mul(q.reshape(BH, N, D), scale, out=torch.from_numpy(qs))
     out = np.empty((BH, N, Dv), dtype=qs.dtype)
-    arrays = (qs, kf.numpy(), vf.numpy(), np.asarray(lo, dtype=np.int64), cfg, _sizes(lo, N, M, p, D), heads, out)
+    work = functools.partial(_forward, qs, kf.numpy(), vf.numpy(), np.asarray(lo, dtype=np.int64), cfg,
+                             _sizes(lo, N, M, p, D), heads, out)
     with _blas().limit(limits=1):
-        parallel(lambda a, b: _forward(a, b, *arrays), BH * -(-N // _options.QUERY_BLOCK), torch.get_num_threads())
+        parallel(work, BH * -(-N // _options.QUERY_BLOCK), torch.get_num_threads())
     return torch.from_numpy(out).view(B, H, N, Dv)

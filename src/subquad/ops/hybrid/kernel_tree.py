@@ -5,6 +5,7 @@ pass over a node reads contiguous rows. Used by :mod:`.kernel`; no autograd."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -143,14 +144,13 @@ def _node(h, a, m, scored, split, hp, iterations, x, valid, order, xn, vn, on, c
 
 
 @njit(fastmath=_FAST, cache=True, nogil=True)
-def _level(first, last, level, scored, split, iterations, x, valid, order, xn, vn, on, count, mean, direction, ends,
-           proj, idx):
-    """Tasks ``[first, last)`` of one level of every head's tree (:func:`_node` for each node),
-    in tasks of at least 1024 slots (:func:`_level_tasks`)."""
+def _level(level, per_task, scored, split, iterations, x, valid, order, xn, vn, on, count, mean, direction, ends,
+           proj, idx, first, last):
+    """Tasks ``[first, last)`` of one level of every head's tree, ``per_task`` nodes each
+    (:func:`_node` for each node)."""
     BH, S, D = x.shape
     nodes = 1 << level
     m = S // nodes
-    per_task = max(1, min(nodes, 1024 // m))
     tasks = nodes // per_task
     mu, u, acc = np.empty(D, x.dtype), np.empty(D, x.dtype), np.empty(D, x.dtype)
     for t in range(first, last):
@@ -158,12 +158,6 @@ def _level(first, last, level, scored, split, iterations, x, valid, order, xn, v
         for nd in range(first_node, first_node + per_task):
             _node(h, nd * m, m, scored, split, nodes + nd, iterations, x, valid, order, xn, vn, on, count, mean,
                   direction, ends, proj, idx, mu, u, acc)
-
-
-def _level_tasks(BH: int, S: int, level: int) -> int:
-    """How many tasks :func:`_level` splits a level into."""
-    nodes = 1 << level
-    return BH * (nodes // max(1, min(nodes, 1024 // (S // nodes))))
 
 
 _local = threading.local()
@@ -242,10 +236,11 @@ def build_index_compiled(k: torch.Tensor, p: HybridPlan) -> tuple[KeyIndex, torc
         scored = p.start_level < level <= p.final_level
         split = p.chunk_level <= level < p.depth
         if scored or split:
-            arrays = (x, valid, order, xn, vn, on, count, mean, direction, ends, proj, idx)
-            parallel(lambda a, b, lv=level, sc=scored, sp=split, ar=arrays: _level(a, b, lv, sc, sp,
-                                                                                  p.tree_iterations, *ar),
-                     _level_tasks(BH, S, level), torch.get_num_threads())
+            nodes = 1 << level
+            per_task = max(1, min(nodes, 1024 // (S // nodes)))  # tasks of at least 1024 slots
+            parallel(functools.partial(_level, level, per_task, scored, split, p.tree_iterations, x, valid, order,
+                                       xn, vn, on, count, mean, direction, ends, proj, idx),
+                     BH * nodes // per_task, torch.get_num_threads())
         if split:
             x, xn, valid, vn, order, on = xn, x, vn, valid, on, order
 
