@@ -11,7 +11,7 @@ thread pools do not fight).
 It computes what :func:`.attend.hybrid_core` computes (the same selection; values equal to
 rounding) from the same key index (:func:`.index.build_index`), without autograd: the torch path
 stays for gradients, other devices, ``torch.compile`` and dispatch modes. Ties between equal
-scores may be broken differently. The first call compiles (about 45 s on 2 x86 cores, once per machine and
+scores may be broken differently. The first call compiles (about 50 s on 2 x86 cores, once per machine and
 dtype); the result is cached on disk (``cache=True``: beside this file, or in the user's cache
 directory when that is read-only).
 """
