@@ -156,7 +156,7 @@ def _descend(qd, nqd, sealed, cfg, count, mean, direction, ends, s):
         node[j] = n + j
         score[j] = 0.0
     child, base, straddle, vbuf, cs, tmp = s.child, s.base, s.straddle, s.vbuf, s.cs, s.tmp
-    e0, e1, ex = s.e0, s.e1, s.ex
+    e0, e1, ex, bits, topi, topv = s.e0, s.e1, s.ex, s.bits, s.topi, s.topv
     zero, neg = qd.dtype.type(0), qd.dtype.type(_NEG)
     for level in range(start + 1, final + 1):
         K = 2 * n
@@ -172,19 +172,18 @@ def _descend(qd, nqd, sealed, cfg, count, mean, direction, ends, s):
             cs[c] = _NEG
             e0[c], e1[c] = ends[child[c], 0], ends[child[c], 1]
         for j in range(nqd):
-            pr = proj[j]
             mx = neg
             for c in range(K):
-                x = base[c] + pr[c]
+                x = base[c] + proj[j, c]
                 if mass:
-                    x += max(pr[K + c] * e0[c], pr[K + c] * e1[c])
+                    x += max(proj[j, K + c] * e0[c], proj[j, K + c] * e1[c])
                 tmp[c] = x
                 mx = max(mx, x)
             lse = zero
             if mx > neg:
                 for c in range(K):
                     ex[c] = tmp[c] - mx
-                _exp(ex, ex, K, s.bits)
+                _exp(ex, ex, K, bits)
                 acc = zero
                 for c in range(K):
                     acc += ex[c]
@@ -194,10 +193,10 @@ def _descend(qd, nqd, sealed, cfg, count, mean, direction, ends, s):
         for c in range(K):
             if straddle[c]:
                 cs[c] = np.inf
-        n = _top(cs, K, keep, s.topi, s.topv)
+        n = _top(cs, K, keep, topi, topv)
         for a in range(n):
-            node[a] = child[s.topi[a]]
-            score[a] = s.topv[a]
+            node[a] = child[topi[a]]
+            score[a] = topv[a]
     return n
 
 
@@ -248,13 +247,14 @@ def _leaf_mass(x, L, off, top, bs, s):
 @njit(fastmath=_FAST, cache=True, inline="always")
 def _leaf_mean(x, L, off, bs, s):
     """``s.lscore[off + l]``: the mean of leaf ``l``'s allowed logits in ``x`` (-inf: none)."""
+    sc = s.lscore
     for leaf in range(L):
         acc, n = x.dtype.type(0), 0
         for t in range(bs):
             if x[t * L + leaf] > _NEG:
                 acc += x[t * L + leaf]
                 n += 1
-        s.lscore[off + leaf] = acc / n if n else _NEG
+        sc[off + leaf] = acc / n if n else _NEG
 
 
 @njit(fastmath=_FAST, cache=True, inline="always")
@@ -295,29 +295,28 @@ def _exact(p, lo, lo_first, M, nleaf, nown, rank, v, cfg, s):
     (number of exact keys, number of window keys)."""
     w, bs = cfg[0], cfg[1]
     U, C = s.dims[0], s.dims[1]
-    x = p[U:]
-    m = _leaf_top(x, nleaf, s.xo, nown, cfg, s)
+    x, xo, ro, xl, xr, xv, vb, topi = p[U:], s.xo, s.ro, s.xl, s.xr, s.xv, s.vb, s.topi  # once: no refcounts in loops
+    m = _leaf_top(x, nleaf, xo, nown, cfg, s)
     nx = 0
     for r in range(max(lo, 0), min(lo + w, M)):
-        s.xl[nx] = p[r - lo_first]
-        s.xr[nx] = r
-        s.xv[nx] = r - lo_first
+        xl[nx], xr[nx], xv[nx] = p[r - lo_first], r, r - lo_first
         nx += 1
     nwin = nx
-    row = U + C  # the next free row of s.vb for an own key's value
+    row = U + C  # the next free row of vb for an own key's value
     for a in range(m):
-        leaf = s.topi[a]
+        leaf = topi[a]
         for t in range(bs):
             if leaf < nleaf:
                 e = t * nleaf + leaf
                 if x[e] > _NEG:
-                    s.xl[nx], s.xr[nx], s.xv[nx] = x[e], rank[e], U + e
+                    xl[nx], xr[nx], xv[nx] = x[e], rank[e], U + e
                     nx += 1
             else:
                 e = t * nown + leaf - nleaf
-                if s.xo[e] > _NEG:
-                    s.xl[nx], s.xr[nx], s.xv[nx] = s.xo[e], s.ro[e], row
-                    s.vb[row] = v[s.ro[e]]
+                if xo[e] > _NEG:
+                    xl[nx], xr[nx], xv[nx] = xo[e], ro[e], row
+                    for d in range(vb.shape[1]):
+                        vb[row, d] = v[ro[e], d]
                     row += 1
                     nx += 1
     return nx, nwin
@@ -332,35 +331,36 @@ def _columns(p, q, lo, M, nx, nwin, cfg, h, hd, s):
     none). Returns the number of columns."""
     G, causal, gs = cfg[3], cfg[11], cfg[13]
     base = s.dims[0] + s.dims[1]  # the groups' rows in p
+    cq, cn, xg, xl, xr, gcnt = s.cq, s.cn, s.xg, s.xl, s.xr, hd.gcnt
     if not causal:
+        group_of = hd.group_of
         for c in range(G):
-            s.cq[c] = p[base + c]
-            s.cn[c] = hd.gcnt[h, c]
+            cq[c], cn[c] = p[base + c], gcnt[h, c]
         for x in range(nx):
-            g = hd.group_of[h, s.xr[x]]
-            s.xg[x] = g
-            s.cq[g] -= s.xl[x]
-            s.cn[g] -= 1.0
+            g = group_of[h, xr[x]]
+            xg[x] = g
+            cq[g] -= xl[x]
+            cn[g] -= 1.0
         return G
     a = max(lo, 0)
     ga = min(a // gs, G - 1)
     for c in range(G):
-        s.cq[c] = p[base + c] if c < ga else 0.0
-        s.cn[c] = hd.gcnt[h, c] if c < ga else 0.0
+        cq[c] = p[base + c] if c < ga else 0.0
+        cn[c] = gcnt[h, c] if c < ga else 0.0
     part = hd.prek[h, ga, a - ga * gs]
     acc = q.dtype.type(0)
     for d in range(q.shape[0]):
         acc += q[d] * part[d]
-    s.cq[G] = acc
-    s.cn[G] = a - ga * gs
+    cq[G] = acc
+    cn[G] = a - ga * gs
     for x in range(nx):
-        s.xg[x] = -1
+        xg[x] = -1
     for x in range(nwin, nx):
-        g = s.xr[x] // gs
+        g = xr[x] // gs
         g = G if g == ga else g
-        s.xg[x] = g
-        s.cq[g] -= s.xl[x]
-        s.cn[g] -= 1.0
+        xg[x] = g
+        cq[g] -= xl[x]
+        cn[g] -= 1.0
     return G + 1
 
 
@@ -371,16 +371,17 @@ def _softmax_row(vb, nx, ncol, lo, cfg, h, hd, s, out):
     weight: its count)."""
     G, causal, gs = cfg[3], cfg[11], cfg[13]
     zero, one, neg = vb.dtype.type(0), vb.dtype.type(1), vb.dtype.type(_NEG)
+    xl, xg, xv, lcs, cn, cq, ex, gv = s.xl, s.xg, s.xv, s.lc, s.cn, s.cq, s.ex, hd.gv
     mx = neg
     nan = False  # a NaN logit (NaN in q or k) makes the row NaN, as in exact attention
     for x in range(nx):
-        mx = max(mx, s.xl[x])
-        nan |= s.xl[x] != s.xl[x]
+        mx = max(mx, xl[x])
+        nan |= xl[x] != xl[x]
     for c in range(ncol):
         lc = neg
-        if s.cn[c] >= 0.5:
-            lc = s.cq[c] / max(s.cn[c], one)
-        s.lc[c] = lc
+        if cn[c] >= 0.5:
+            lc = cq[c] / max(cn[c], one)
+        lcs[c] = lc
         mx = max(mx, lc)
         nan |= lc != lc
     if nan:
@@ -388,35 +389,33 @@ def _softmax_row(vb, nx, ncol, lo, cfg, h, hd, s, out):
         return
     if not (mx > neg and mx < np.inf):
         mx = zero
-    ex = s.ex
     for x in range(nx):
-        ex[x] = s.xl[x] - mx
+        ex[x] = xl[x] - mx
     for c in range(ncol):
-        ex[nx + c] = s.lc[c] - mx
+        ex[nx + c] = lcs[c] - mx
     _exp(ex, ex, nx + ncol, s.bits)
     den = zero
     for c in range(ncol):
-        s.lc[c] = ex[nx + c]
-        den += s.lc[c] * max(s.cn[c], zero)
+        lcs[c] = ex[nx + c]
+        den += lcs[c] * max(cn[c], zero)
     out[:] = 0.0
     for x in range(nx):
         den += ex[x]
-        g = s.xg[x]
-        wgt = ex[x] - (s.lc[g] if g >= 0 else zero)
-        row = vb[s.xv[x]]
+        g = xg[x]
+        wgt = ex[x] - (lcs[g] if g >= 0 else zero)
+        r = xv[x]
         for d in range(out.shape[0]):
-            out[d] += wgt * row[d]
+            out[d] += wgt * vb[r, d]
     for c in range(G):
-        if s.lc[c] > 0.0:
-            row = hd.gv[h, c]
+        if lcs[c] > 0.0:
             for d in range(out.shape[0]):
-                out[d] += s.lc[c] * row[d]
-    if causal and s.lc[G] > 0.0:
+                out[d] += lcs[c] * gv[h, c, d]
+    if causal and lcs[G] > 0.0:
         a = max(lo, 0)
         ga = min(a // gs, G - 1)
         row = hd.prev[h, ga, a - ga * gs]
         for d in range(out.shape[0]):
-            out[d] += s.lc[G] * row[d]
+            out[d] += lcs[G] * row[d]
     if den > 0.0:
         for d in range(out.shape[0]):
             out[d] /= den
@@ -429,14 +428,15 @@ def _mask_static(logits, U, C, lo_first, lo_last, cfg, s):
     ranks ``[lo_first, lo_last + w)``; causal: at or after the first window start). Returns how
     many are dirty."""
     w, causal = cfg[0], cfg[11]
+    rank, ok, dirty = s.rank, s.ok, s.dirty
     nd = 0
     for e in range(C):
-        r = s.rank[e]
-        if not s.ok[e]:
+        r = rank[e]
+        if not ok[e]:
             for j in range(logits.shape[0]):
                 logits[j, U + e] = _NEG
         elif r >= lo_first and (causal or r < lo_last + w):
-            s.dirty[nd] = e
+            dirty[nd] = e
             nd += 1
     return nd
 
@@ -447,9 +447,9 @@ def _gather_rows(k, v, gk, lo_first, U, C, s):
     ranks from ``lo_first``, candidate keys, then the coarse groups' key sums) and values ``s.vb``
     (window, candidates)."""
     M, D, Dv = k.shape[0], k.shape[1], v.shape[1]
-    kb, vb = s.kb, s.vb
+    kb, vb, rank = s.kb, s.vb, s.rank
     for u in range(U + C):
-        r = min(max(lo_first + u, 0), M - 1) if u < U else s.rank[u - U]
+        r = min(max(lo_first + u, 0), M - 1) if u < U else rank[u - U]
         for d in range(D):
             kb[u, d] = k[r, d]
         for d in range(Dv):
@@ -475,19 +475,20 @@ def _first_level(qb, sealed, cfg, count, mean, direction, ends, s):
     of the block) into ``s.fchild`` / ``s.fbase`` / ``s.fstraddle`` / ``s.fends``, and every
     query's products with their vectors in one matrix product, ``s.fproj`` ``(QB, rows)``."""
     start, mass = cfg[5], cfg[12]
+    node, score, fchild, vbuf, fends = s.node, s.score, s.fchild, s.vbuf, s.fends
     n = 1 << start
     for j in range(n):
-        s.node[j] = n + j
-        s.score[j] = 0.0
+        node[j] = n + j
+        score[j] = 0.0
     K = 2 * n
-    _children(s.node, s.score, n, start + 1, sealed, cfg, count, s.fchild, s.fbase, s.fstraddle)
+    _children(node, score, n, start + 1, sealed, cfg, count, fchild, s.fbase, s.fstraddle)
     for c in range(K):
         for d in range(mean.shape[1]):
-            s.vbuf[c, d] = mean[s.fchild[c], d]
-            s.vbuf[K + c, d] = direction[s.fchild[c], d]
-        s.fends[c, 0], s.fends[c, 1] = ends[s.fchild[c], 0], ends[s.fchild[c], 1]
+            vbuf[c, d] = mean[fchild[c], d]
+            vbuf[K + c, d] = direction[fchild[c], d]
+        fends[c, 0], fends[c, 1] = ends[fchild[c], 0], ends[fchild[c], 1]
     rows = 2 * K if mass else K
-    np.dot(qb, s.vbuf[:rows].T, s.fproj[: qb.shape[0] * rows].reshape(qb.shape[0], rows))
+    np.dot(qb, vbuf[:rows].T, s.fproj[: qb.shape[0] * rows].reshape(qb.shape[0], rows))
 
 
 @njit(fastmath=_FAST, cache=True, inline="always")
@@ -496,31 +497,34 @@ def _own_descend(j, qv, sealed, cfg, count, mean, direction, ends, s):
     :func:`_first_level`): the final nodes in ``s.node`` / ``s.score``; returns how many. One
     query's scores rank as its relative ones (:func:`.select.descend`), so none is normalised."""
     start, final, keep, mass = cfg[5], cfg[6], cfg[15], cfg[12]
+    node, score, cs, topi, topv = s.node, s.score, s.cs, s.topi, s.topv
+    child, base, straddle = s.child, s.base, s.straddle
+    fbase, fends, fstraddle, fchild, fproj = s.fbase, s.fends, s.fstraddle, s.fchild, s.fproj
     K = 2 << start
     rows = 2 * K if mass else K
-    pr = s.fproj[j * rows: (j + 1) * rows]
+    o = j * rows
     for c in range(K):
-        x = s.fbase[c] + pr[c]
+        x = fbase[c] + fproj[o + c]
         if mass:
-            x += max(pr[K + c] * s.fends[c, 0], pr[K + c] * s.fends[c, 1])
-        s.cs[c] = np.inf if s.fstraddle[c] else x
-    n = _top(s.cs, K, keep, s.topi, s.topv)
+            x += max(fproj[o + K + c] * fends[c, 0], fproj[o + K + c] * fends[c, 1])
+        cs[c] = np.inf if fstraddle[c] else x
+    n = _top(cs, K, keep, topi, topv)
     for a in range(n):
-        s.node[a], s.score[a] = s.fchild[s.topi[a]], s.topv[a]
+        node[a], score[a] = fchild[topi[a]], topv[a]
     for level in range(start + 2, final + 1):
         K = 2 * n
-        _children(s.node, s.score, n, level, sealed, cfg, count, s.child, s.base, s.straddle)
+        _children(node, score, n, level, sealed, cfg, count, child, base, straddle)
         for c in range(K):
-            nd, x = s.child[c], s.base[c]
+            nd, x = child[c], base[c]
             if x > _NEG:
                 x += _dot(qv, mean, nd)
                 if mass:
                     du = _dot(qv, direction, nd)
                     x += max(du * ends[nd, 0], du * ends[nd, 1])
-            s.cs[c] = np.inf if s.straddle[c] else x
-        n = _top(s.cs, K, keep, s.topi, s.topv)
+            cs[c] = np.inf if straddle[c] else x
+        n = _top(cs, K, keep, topi, topv)
         for a in range(n):
-            s.node[a], s.score[a] = s.child[s.topi[a]], s.topv[a]
+            node[a], score[a] = child[topi[a]], topv[a]
     return n
 
 
@@ -532,26 +536,27 @@ def _own_leaves(qv, lo_i, nown, nblock, sealed, M, keys, order, slot_valid, cfg,
     ``s.ro``. Returns the number of leaves."""
     w, bs, sinks, final, depth, chunk, causal = cfg[0], cfg[1], cfg[4], cfg[6], cfg[7], cfg[9], cfg[11]
     per_node = 1 << (depth - final)
+    node, score, mnode, mscore, ro, xo = s.node, s.score, s.mnode, s.mscore, s.ro, s.xo
     kept = 0
     for a in range(nown):
-        new = s.score[a] > _NEG
+        new = score[a] > _NEG
         for b in range(nblock):
-            new = new and not (s.mnode[b] == s.node[a] and s.mscore[b] > _NEG)
+            new = new and not (mnode[b] == node[a] and mscore[b] > _NEG)
         if new:
-            s.mnode[nblock + kept] = s.node[a]
+            mnode[nblock + kept] = node[a]
             kept += 1
     L = kept * per_node
     for i in range(kept):
-        first = (s.mnode[nblock + i] - (1 << final)) * per_node * bs
+        first = (mnode[nblock + i] - (1 << final)) * per_node * bs
         for leaf in range(per_node):
             slot0 = first + leaf * bs
             leaf_ok = not causal or (slot0 // chunk + 1) * chunk <= sealed
             for t in range(bs):
                 r = order[slot0 + t]
                 e = t * L + i * per_node + leaf
-                s.ro[e] = min(r, M - 1)
+                ro[e] = min(r, M - 1)
                 ok = leaf_ok and slot_valid[slot0 + t] and r >= sinks * bs and (causal or not lo_i <= r < lo_i + w)
-                s.xo[e] = _dot(qv, keys, slot0 + t) if ok else _NEG
+                xo[e] = _dot(qv, keys, slot0 + t) if ok else _NEG
     return L
 
 
@@ -576,8 +581,10 @@ def _task(h, blk, qs, k, v, lo, cfg, hd, s, out):
     if cfg[15]:
         _first_level(s.qb, sealed, cfg, count, mean, direction, ends, s)
     if causal:
+        qd = s.qd
         for j in range(QB):  # the QB queries ending at the block's first one
-            s.qd[j] = qs[h, max(i0 - QB + 1 + j, 0)]
+            for d in range(qd.shape[1]):
+                qd[j, d] = qs[h, max(i0 - QB + 1 + j, 0), d]
         nfin = _descend(s.qd, QB, sealed, cfg, count, mean, direction, ends, s)
     else:
         nfin = _descend(s.qb, nq, sealed, cfg, count, mean, direction, ends, s)
@@ -590,13 +597,14 @@ def _task(h, blk, qs, k, v, lo, cfg, hd, s, out):
     logits = s.pflat[: QB * E].reshape(QB, E)
     np.dot(s.qb, s.kb[:E].T, logits)
     nd = _mask_static(logits, U, C, lo_first, lo_last, cfg, s)
+    keys, order, slot_valid, vh, qb = hd.keys[h], hd.order[h], hd.slot_valid[h], v[h], s.qb
     for j in range(nq):
         nown = 0
+        qv = qb[j]
         if cfg[15]:
-            n = _own_descend(j, s.qb[j], sealed, cfg, count, mean, direction, ends, s)
-            nown = _own_leaves(s.qb[j], lo[i0 + j], n, nfin, sealed, M, hd.keys[h], hd.order[h], hd.slot_valid[h],
-                                  cfg, s)
-        _query(logits[j], s.qb[j], lo[i0 + j], lo_first, M, nleaf, nown, nd, cfg, h, hd, v[h], s, out[h, i0 + j])
+            n = _own_descend(j, qv, sealed, cfg, count, mean, direction, ends, s)
+            nown = _own_leaves(qv, lo[i0 + j], n, nfin, sealed, M, keys, order, slot_valid, cfg, s)
+        _query(logits[j], qv, lo[i0 + j], lo_first, M, nleaf, nown, nd, cfg, h, hd, vh, s, out[h, i0 + j])
 
 
 @njit(fastmath=_FAST, cache=True, inline="always")
@@ -606,12 +614,13 @@ def _query(row, qv, lo_i, lo_first, M, nleaf, nown, nd, cfg, h, hd, v, s, out):
     select masked (in its window, or causal after it), its exact keys, its summary columns, the
     softmax."""
     w, causal, U = cfg[0], cfg[11], s.dims[0]
+    dirty, rank = s.dirty, s.rank
     for a in range(nd):
-        e = s.dirty[a]
-        r = s.rank[e]
+        e = dirty[a]
+        r = rank[e]
         if r >= lo_i and (causal or r < lo_i + w):
             row[U + e] = _NEG
-    nx, nwin = _exact(row, lo_i, lo_first, M, nleaf, nown, s.rank, v, cfg, s)
+    nx, nwin = _exact(row, lo_i, lo_first, M, nleaf, nown, rank, v, cfg, s)
     ncol = _columns(row, qv, lo_i, M, nx, nwin, cfg, h, hd, s)
     _softmax_row(s.vb, nx, ncol, lo_i, cfg, h, hd, s, out)
 
