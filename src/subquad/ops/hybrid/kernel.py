@@ -24,10 +24,7 @@ from collections import namedtuple
 
 import numpy as np
 import torch
-from llvmlite import ir
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit
 
 from . import options as _options
 from .index import KeyIndex
@@ -65,34 +62,6 @@ def _exp(x, out, n, bits):
     scale = bits.view(np.float32)
     for i in range(n):
         out[i] *= scale[i]
-
-
-@intrinsic
-def _prefetch(typingctx, a, i):
-    """Ask the CPU to start loading the cache line of element ``i`` (flat, C order) of ``a``
-    (LLVM's ``llvm.prefetch``: read, keep in every cache level); no effect on values."""
-
-    def codegen(context, builder, sig, args):
-        ptr = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
-        ptr = builder.bitcast(ptr, ir.IntType(8).as_pointer())
-        # the intrinsic's name carries the pointer type: "p0" where llvmlite's pointers are opaque (LLVM 15+)
-        name = "llvm.prefetch.p0" if getattr(ptr.type, "is_opaque", False) else "llvm.prefetch.p0i8"
-        i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]),
-                                            name)
-        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
-        return context.get_dummy_value()
-
-    return types.void(a, i), codegen
-
-
-@njit(cache=True, inline="always")
-def _prefetch_rows(a, first, n):
-    """:func:`_prefetch` every cache line of rows ``[first, first + n)`` of the 2-d ``a``: the
-    loads of rows at scattered addresses overlap instead of waiting one after another."""
-    D, step = a.shape[1], max(64 // a.itemsize, 1)
-    for e in range(first * D, (first + n) * D, step):
-        _prefetch(a, e)
 
 
 @njit(fastmath=_FAST, cache=True, inline="always")
@@ -192,9 +161,6 @@ def _descend(qd, nqd, sealed, cfg, count, mean, direction, ends, s):
     for level in range(start + 1, final + 1):
         K = 2 * n
         _children(node, score, n, level, sealed, cfg, count, child, base, straddle)
-        for c in range(K):
-            _prefetch_rows(mean, child[c], 1)
-            _prefetch_rows(direction, child[c], 1)
         for c in range(K):
             for d in range(vbuf.shape[1]):
                 vbuf[c, d] = mean[child[c], d]
@@ -484,9 +450,6 @@ def _gather_rows(k, v, gk, lo_first, U, C, s):
     kb, vb, rank = s.kb, s.vb, s.rank
     for u in range(U + C):
         r = min(max(lo_first + u, 0), M - 1) if u < U else rank[u - U]
-        if U <= u + 16 < U + C:  # the candidate keys are scattered: their rows asked for 16 ahead
-            _prefetch_rows(k, rank[u + 16 - U], 1)
-            _prefetch_rows(v, rank[u + 16 - U], 1)
         for d in range(D):
             kb[u, d] = k[r, d]
         for d in range(Dv):
@@ -551,11 +514,6 @@ def _own_descend(j, qv, sealed, cfg, count, mean, direction, ends, s):
     for level in range(start + 2, final + 1):
         K = 2 * n
         _children(node, score, n, level, sealed, cfg, count, child, base, straddle)
-        for c in range(K):  # the children's rows are scattered through the heap: ask for all of them first
-            if base[c] > _NEG:
-                _prefetch_rows(mean, child[c], 1)
-                if mass:
-                    _prefetch_rows(direction, child[c], 1)
         for c in range(K):
             nd, x = child[c], base[c]
             if x > _NEG:
@@ -588,8 +546,6 @@ def _own_leaves(qv, lo_i, nown, nblock, sealed, M, keys, order, slot_valid, cfg,
             mnode[nblock + kept] = node[a]
             kept += 1
     L = kept * per_node
-    for i in range(kept):
-        _prefetch_rows(keys, (mnode[nblock + i] - (1 << final)) * per_node * bs, per_node * bs)
     for i in range(kept):
         first = (mnode[nblock + i] - (1 << final)) * per_node * bs
         for leaf in range(per_node):
