@@ -105,7 +105,9 @@ def test_op_fullgraph_inference(method):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("training, causal", [(False, False), (True, False), (True, True)],
+# the training modes compile forward and backward (13-15 s for hybrid on 2 cores): slow, run by .ci/run
+@pytest.mark.parametrize("training, causal", [(False, False), pytest.param(True, False, marks=pytest.mark.slow),
+                                              pytest.param(True, True, marks=pytest.mark.slow)],
                          ids=["eval", "train", "train-causal"])
 def test_module_fullgraph_matches_eager(method, training, causal):
     """``MultiheadAttention`` compiles with fullgraph=True in eval and training mode, with a key
