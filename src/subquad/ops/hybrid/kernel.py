@@ -6,7 +6,9 @@ level for the whole block in one product, then a few nodes per level; its extra 
 from the keys in slot order), the leaf scores, the top leaves, the summaries without the exact
 keys and one softmax. Tasks are spread over threads (:func:`.kernel_tree.parallel`); the
 matrix products call BLAS (scipy's, limited to one thread inside the kernel so that the two
-thread pools do not fight).
+thread pools do not fight). Each function binds the scratch's arrays to locals once, before its
+loops: reading a tuple field or taking a row view inside a loop costs numba an atomic
+reference-count pair each time.
 
 It computes what :func:`.attend.hybrid_core` computes (the same selection; values equal to
 rounding) from the same key index (:func:`.index.build_index`), without autograd: the torch path
@@ -295,7 +297,7 @@ def _exact(p, lo, lo_first, M, nleaf, nown, rank, v, cfg, s):
     (number of exact keys, number of window keys)."""
     w, bs = cfg[0], cfg[1]
     U, C = s.dims[0], s.dims[1]
-    x, xo, ro, xl, xr, xv, vb, topi = p[U:], s.xo, s.ro, s.xl, s.xr, s.xv, s.vb, s.topi  # once: no refcounts in loops
+    x, xo, ro, xl, xr, xv, vb, topi = p[U:], s.xo, s.ro, s.xl, s.xr, s.xv, s.vb, s.topi
     m = _leaf_top(x, nleaf, xo, nown, cfg, s)
     nx = 0
     for r in range(max(lo, 0), min(lo + w, M)):
