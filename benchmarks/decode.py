@@ -101,7 +101,7 @@ def cache_bytes(cache) -> int:
 def _forward_seconds(model: torch.nn.Module, ids: torch.Tensor, cache) -> float:
     """Seconds of one forward call that appends ``ids`` to ``cache``."""
     start = time.perf_counter()
-    model(input_ids=ids, cache=cache)
+    model(input_ids=ids, **{H.CACHE_ARGUMENT: cache})
     return time.perf_counter() - start
 
 
@@ -111,9 +111,9 @@ def warm_up(models: dict[str, torch.nn.Module]) -> None:
     with torch.no_grad():
         for name, model in models.items():
             cache = new_cache(name, model, 68)
-            model(input_ids=ids, cache=cache)
+            model(input_ids=ids, **{H.CACHE_ARGUMENT: cache})
             for t in range(4):
-                model(input_ids=ids[:, t: t + 1], cache=cache)
+                model(input_ids=ids[:, t: t + 1], **{H.CACHE_ARGUMENT: cache})
 
 
 def measure(models: dict[str, torch.nn.Module], n: int, steps: int) -> list[dict]:

@@ -48,12 +48,12 @@ def _steps(model, ids: torch.Tensor, cache, feed: torch.Tensor | None, new: int)
     step, the first from the prefill) and each step's seconds."""
     tokens, seconds = [], []
     with torch.no_grad():
-        logits = model(input_ids=ids, cache=cache).logits[0, -1]
+        logits = model(input_ids=ids, **{H.CACHE_ARGUMENT: cache}).logits[0, -1]
         tokens.append(int(logits.argmax()))
         for i in range(new - 1):
             nxt = tokens[-1] if feed is None else int(feed[i])
             start = time.perf_counter()
-            logits = model(input_ids=torch.tensor([[nxt]]), cache=cache).logits[0, -1]
+            logits = model(input_ids=torch.tensor([[nxt]]), **{H.CACHE_ARGUMENT: cache}).logits[0, -1]
             seconds.append(time.perf_counter() - start)
             tokens.append(int(logits.argmax()))
     return tokens, seconds
@@ -65,11 +65,11 @@ def decode_losses(model, ids: torch.Tensor, cache, k: int) -> torch.Tensor:
     n = ids.shape[1]
     out = []
     with torch.no_grad():
-        logits = model(input_ids=ids[:, : n - k], cache=cache).logits[0, -1:]
+        logits = model(input_ids=ids[:, : n - k], **{H.CACHE_ARGUMENT: cache}).logits[0, -1:]
         for t in range(n - k, n):
             out.append(torch.nn.functional.cross_entropy(logits.float(), ids[0, t: t + 1]))
             if t + 1 < n:
-                logits = model(input_ids=ids[:, t: t + 1], cache=cache).logits[0, -1:]
+                logits = model(input_ids=ids[:, t: t + 1], **{H.CACHE_ARGUMENT: cache}).logits[0, -1:]
     return torch.stack(out)
 
 

@@ -12,6 +12,13 @@ from test_retrofit import _ids, tiny_gpt2, tiny_llama  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
+
+
+def _cache(cache) -> dict:
+    """The cache as a keyword argument under the installed transformers' name for it."""
+    return {H.CACHE_ARGUMENT: cache}
+
+
 STATE = [("linear", {"chunk_size": 4}), ("performer", {"num_features": 32}), ("hedgehog", {"chunk_size": 4})]
 
 
@@ -26,9 +33,9 @@ def test_prefill_then_steps_equal_the_full_forward(build, method, options):
     assert isinstance(cache, H.StateCache)
     with torch.no_grad():
         full = model(input_ids=torch.cat([prompt, more], 1)).logits
-        steps, sizes = [model(input_ids=prompt, cache=cache).logits], []
+        steps, sizes = [model(input_ids=prompt, **_cache(cache)).logits], []
         for t in range(more.shape[1]):
-            steps.append(model(input_ids=more[:, t: t + 1], cache=cache).logits)
+            steps.append(model(input_ids=more[:, t: t + 1], **_cache(cache)).logits)
             sizes.append(cache.nbytes())
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
     assert cache.get_seq_length() == 15 and len(set(sizes)) == 1 and sizes[0] > 0
@@ -46,10 +53,11 @@ def test_left_padded_batch_prefill_then_steps_equal_the_full_forward(method, opt
     cache = H.decoding_cache(model)
     with torch.no_grad():
         full = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        steps = [model(input_ids=ids[:, :9], attention_mask=mask[:, :9], position_ids=pos[:, :9], cache=cache).logits]
+        steps = [model(input_ids=ids[:, :9], attention_mask=mask[:, :9], position_ids=pos[:, :9],
+                       **_cache(cache)).logits]
         for t in range(9, 14):
             steps.append(model(input_ids=ids[:, t: t + 1], attention_mask=mask[:, : t + 1],
-                               position_ids=pos[:, t: t + 1], cache=cache).logits)
+                               position_ids=pos[:, t: t + 1], **_cache(cache)).logits)
     got = torch.cat(steps, 1)
     torch.testing.assert_close(got[0], full[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[1, 4:], full[1, 4:], rtol=1e-5, atol=1e-5)
@@ -64,8 +72,8 @@ def test_generate_with_state_matches_generate_with_all_keys(method, options):
     mask = torch.ones_like(ids)
     ids[1, :3], mask[1, :3] = 0, 0
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    got = model.generate(ids, cache=H.decoding_cache(model), **kw)
-    want = model.generate(ids, cache=transformers.DynamicCache(), **kw)
+    got = model.generate(ids, **_cache(H.decoding_cache(model)), **kw)
+    want = model.generate(ids, **_cache(transformers.DynamicCache()), **kw)
     assert torch.equal(got, want)
 
 
@@ -78,17 +86,34 @@ def test_methods_without_state_decode_with_all_keys(method, options):
     assert not H.has_state(model)
     assert isinstance(H.decoding_cache(model), transformers.DynamicCache)
     with pytest.raises(NotImplementedError, match="no decoding state"), torch.no_grad():
-        model(input_ids=_ids(1, 8), cache=H.StateCache())
+        model(input_ids=_ids(1, 8), **_cache(H.StateCache()))
 
 
 def test_state_cache_refused_in_exact_mode_and_hooks_removed_by_unretrofit():
     model = H.retrofit(tiny_llama(), "linear")
     H.set_mode(model, "exact")
     with pytest.raises(NotImplementedError, match="approximation"), torch.no_grad():
-        model(input_ids=_ids(1, 8), cache=H.StateCache())
+        model(input_ids=_ids(1, 8), **_cache(H.StateCache()))
     mods = [m for _, m in H.attention_modules(model)]
+
     H.unretrofit(model)
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in mods)
+
+
+def test_a_state_cache_under_the_other_name_is_refused():
+    """Before transformers 5.24 a ``cache=`` keyword reaches the layers beside the model's own
+    ``past_key_values`` cache, and would be ignored: the attention module's hook refuses it and
+    names the argument to use. (From 5.24 transformers itself renames ``past_key_values``.)"""
+    from subquad.hf.retrofit import _remember_cache
+
+    model = H.retrofit(tiny_llama(), "linear")
+    module = H.attention_modules(model)[0][1]
+    wrong = "past_key_values" if H.CACHE_ARGUMENT == "cache" else "cache"
+    with pytest.raises(TypeError, match=f"takes the cache as {H.CACHE_ARGUMENT}="):
+        _remember_cache(module, (), {wrong: H.StateCache(), H.CACHE_ARGUMENT: transformers.DynamicCache()})
+    state = H.StateCache()
+    _remember_cache(module, (), {wrong: state, H.CACHE_ARGUMENT: state})  # one cache under both names
+    assert module.subquad_retrofit.active_cache is state
 
 
 HYBRID_SMALL = {"budget": 12, "block_size": 2, "window": 2, "num_selected": 2, "num_summaries": 2, "candidates": 2,
@@ -105,9 +130,9 @@ def test_hybrid_at_a_full_budget_decodes_exact_attention():
     assert isinstance(cache, H.StateCache) and H.has_state(model)
     with torch.no_grad():
         full = exact(input_ids=torch.cat([prompt, more], 1)).logits
-        steps, sizes = [model(input_ids=prompt, cache=cache).logits], []
+        steps, sizes = [model(input_ids=prompt, **_cache(cache)).logits], []
         for t in range(more.shape[1]):
-            steps.append(model(input_ids=more[:, t: t + 1], cache=cache).logits)
+            steps.append(model(input_ids=more[:, t: t + 1], **_cache(cache)).logits)
             sizes.append(cache.nbytes())
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
     assert cache.get_seq_length() == 15 and sizes == sorted(sizes)
@@ -122,17 +147,17 @@ def test_hybrid_prefill_is_the_parallel_op_and_a_padded_batch_generates_as_its_r
     ids[1, :5], mask[1, :5] = 0, 0
     with torch.no_grad():
         full = model(input_ids=ids[:1]).logits
-        pre = model(input_ids=ids[:1], cache=H.decoding_cache(model)).logits
+        pre = model(input_ids=ids[:1], **_cache(H.decoding_cache(model))).logits
     torch.testing.assert_close(pre, full, rtol=1e-5, atol=1e-5)
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
-    both = model.generate(ids, attention_mask=mask, cache=H.decoding_cache(model), **kw)
+    both = model.generate(ids, attention_mask=mask, **_cache(H.decoding_cache(model)), **kw)
     for b, start in ((0, 0), (1, 5)):
-        alone = model.generate(ids[b: b + 1, start:], cache=H.decoding_cache(model), **kw)
+        alone = model.generate(ids[b: b + 1, start:], **_cache(H.decoding_cache(model)), **kw)
         assert torch.equal(both[b, 30:], alone[0, 30 - start:])
 
 
 def test_hybrid_refuses_a_dynamic_cache_and_names_its_own():
     model = H.retrofit(tiny_llama(), "hybrid", **HYBRID_SMALL)
     with pytest.raises(NotImplementedError, match="decoding_cache"):
-        model.generate(_ids(1, 12), cache=transformers.DynamicCache(), max_new_tokens=2, do_sample=False,
+        model.generate(_ids(1, 12), **_cache(transformers.DynamicCache()), max_new_tokens=2, do_sample=False,
                        pad_token_id=0)

@@ -10,7 +10,7 @@
 Needs the ``real`` extra (``transformers``). See ``docs/retrofit.md``.
 """
 
-from .cache import StateCache, decoding_cache, has_state
+from .cache import CACHE_ARGUMENT, StateCache, decoding_cache, has_state
 from .evaluate import compare_to_exact, embed, embedding_agreement
 from .io import load_retrofit, read_retrofit, save_retrofit
 from .retrofit import (RetrofitAttention, attention_modules, is_retrofitted, retrofit, retrofit_layers,
@@ -20,4 +20,4 @@ from .transfer import cache_teacher, layer_losses, trainable_parameters, transfe
 __all__ = ["retrofit", "unretrofit", "is_retrofitted", "retrofit_methods", "attention_modules", "retrofit_layers",
            "set_mode", "RetrofitAttention", "transfer", "cache_teacher", "layer_losses", "trainable_parameters",
            "save_retrofit", "load_retrofit", "read_retrofit", "embed", "embedding_agreement", "compare_to_exact",
-           "StateCache", "decoding_cache", "has_state"]
+           "CACHE_ARGUMENT", "StateCache", "decoding_cache", "has_state"]

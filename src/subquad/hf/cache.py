@@ -12,6 +12,10 @@ decodes with::
     model = subquad.hf.retrofit(model, "linear")
     out = model.generate(ids, cache=subquad.hf.decoding_cache(model), max_new_tokens=64)
 
+transformers 5.24 renamed the models' cache argument from ``past_key_values`` to ``cache``:
+before 5.24 pass ``past_key_values=`` instead (:data:`CACHE_ARGUMENT` is the installed version's
+name, for code that runs on both).
+
 Methods without one decode with transformers' ``DynamicCache`` (every key and value kept;
 the retrofit then recomputes each new query against all of them).
 """
@@ -20,10 +24,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import transformers
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
-__all__ = ["StateCache", "StateLayer", "decoding_cache", "has_state"]
+__all__ = ["CACHE_ARGUMENT", "StateCache", "StateLayer", "decoding_cache", "has_state"]
+
+#: The name under which the installed transformers' models and ``generate`` take a cache:
+#: ``"cache"`` from transformers 5.24, ``"past_key_values"`` before.
+CACHE_ARGUMENT = ("cache" if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 24)
+                  else "past_key_values")
 
 
 class StateLayer(CacheLayerMixin):
@@ -76,7 +86,7 @@ class StateLayer(CacheLayerMixin):
 
 class StateCache(Cache):
     """A ``Cache`` of :class:`StateLayer` (one per layer, made as the layers first run). Pass it to
-    ``model.generate(cache=...)`` (``past_key_values=`` before transformers 5.40) or a forward
+    ``model.generate(cache=...)`` (``past_key_values=`` before transformers 5.24) or a forward
     call of a model retrofitted with a method that has a state (:func:`has_state`); others refuse
     it."""
 

@@ -228,8 +228,10 @@ def _subquad_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     if causal and n != m:
         # decoding with a KV cache: the queries are the last n positions; left-pad them to m
         if not subquad.get_method(r.method).query_local:
+            from .cache import CACHE_ARGUMENT
+
             local = [name for name in retrofit_methods() if subquad.get_method(name).query_local]
-            hint = (" with this cache; pass cache=subquad.hf.decoding_cache(model) (its own decoding state)"
+            hint = (f" with this cache; pass {CACHE_ARGUMENT}=subquad.hf.decoding_cache(model) (its own decoding state)"
                     if r.has_state else "")
             raise NotImplementedError(f"subquad retrofit: cached decoding (query length {n} < key length {m}) is "
                                       f"supported for {local}, not {r.method!r}{hint}")
@@ -251,9 +253,19 @@ def _state_layer(module: nn.Module, r: RetrofitAttention) -> Any:
 
 def _remember_cache(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook of a retrofitted attention module: keep the call's cache for the attention
-    function, which transformers does not hand it (transformers 5 names it ``cache``, 4
-    ``past_key_values``)."""
-    module.subquad_retrofit.active_cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    function, which transformers does not hand it. The cache is the argument named as the installed
+    transformers names it (:data:`~subquad.hf.cache.CACHE_ARGUMENT`); a :class:`StateCache` under
+    the other name would reach no layer (the model would decode with a cache of its own), so it is
+    refused."""
+    import transformers
+
+    from .cache import CACHE_ARGUMENT, StateCache
+
+    other = "past_key_values" if CACHE_ARGUMENT == "cache" else "cache"
+    if isinstance(kwargs.get(other), StateCache) and kwargs.get(CACHE_ARGUMENT) is not kwargs[other]:
+        raise TypeError(f"subquad retrofit: transformers {transformers.__version__} takes the cache as "
+                        f"{CACHE_ARGUMENT}=, not {other}=")
+    module.subquad_retrofit.active_cache = kwargs.get(CACHE_ARGUMENT, kwargs.get(other))
 
 
 def _forget_cache(module: nn.Module, args: tuple, output: Any) -> None:
