@@ -118,8 +118,9 @@ def test_evaluate_agrees_with_the_trainer(finished_run, data_dir, capsys):
     assert status == 0
     final = json.loads(lines[-1])
     assert final["accuracy"] == results["test_accuracy"] and final["n"] == 40
+    # the same float32 losses, summed in another order on some torch builds (2.11: 2e-8 apart)
     assert final["method"] == "nystrom" and final["step"] == 9 and final["loss"] == pytest.approx(
-        results["test_loss"], rel=1e-12)
+        results["test_loss"], rel=1e-6)
     status, lines, _ = _evaluate(capsys, "--checkpoint", str(out / "best.pt"), "--data", str(data_dir))
     best = json.loads(lines[-1])
     assert status == 0 and best["accuracy"] == results["test_accuracy_best_val"]
