@@ -13,9 +13,11 @@ reference-count pair each time.
 It computes what :func:`.attend.hybrid_core` computes (the same selection; values equal to
 rounding) from the same key index (:func:`.index.build_index`), without autograd: the torch path
 stays for gradients, other devices, ``torch.compile`` and dispatch modes. Ties between equal
-scores may be broken differently. The first call compiles (about 50 s on 2 x86 cores, once per machine and
+scores may be broken differently. The first call compiles (about 45 s on 2 x86 cores, once per machine and
 dtype); the result is cached on disk (``cache=True``: beside this file, or in the user's cache
-directory when that is read-only).
+directory when that is read-only). The task loop and its body are one function: numba re-optimises
+every callee's code inside its caller, so a separate per-task function was optimised twice (13 %
+of the cold start).
 """
 
 from __future__ import annotations
@@ -562,53 +564,6 @@ def _own_leaves(qv, lo_i, nown, nblock, sealed, M, keys, order, slot_valid, cfg,
     return L
 
 
-@njit(fastmath=_FAST, cache=True)
-def _task(h, blk, qs, k, v, lo, cfg, hd, s, out):
-    """Outputs of block ``blk`` of head ``h``'s queries: descent, candidates, one product for
-    every logit, then each query's own descent (``query_beam``), exact keys, summaries and
-    softmax."""
-    w, bs, G, chunk, causal = cfg[0], cfg[1], cfg[3], cfg[9], cfg[11]
-    QB = s.qb.shape[0]
-    N, M = qs.shape[1], k.shape[1]
-    i0 = blk * QB
-    nq = min(QB, N - i0)
-    lo_first, lo_last = lo[i0], lo[i0 + nq - 1]
-    U = lo_last - lo_first + w
-    s.qb[:nq] = qs[h, i0: i0 + nq]
-    s.qb[nq:] = 0.0
-    sealed = 0
-    count, mean, direction, ends = hd.count[h], hd.mean[h], hd.direction[h], hd.ends[h]
-    if causal:
-        sealed = max(max(lo_first, 0) // chunk - 1, 0) * chunk
-    if cfg[15]:
-        _first_level(s.qb, sealed, cfg, count, mean, direction, ends, s)
-    if causal:
-        qd = s.qd
-        for j in range(QB):  # the QB queries ending at the block's first one
-            for d in range(qd.shape[1]):
-                qd[j, d] = qs[h, max(i0 - QB + 1 + j, 0), d]
-        nfin = _descend(s.qd, QB, sealed, cfg, count, mean, direction, ends, s)
-    else:
-        nfin = _descend(s.qb, nq, sealed, cfg, count, mean, direction, ends, s)
-    s.mnode[:nfin] = s.node[:nfin]
-    s.mscore[:nfin] = s.score[:nfin]
-    nleaf = _candidates(s.node, s.score, nfin, sealed, lo_last, M, hd.order[h], hd.slot_valid[h], cfg, s.rank, s.ok)
-    C = nleaf * bs
-    E = U + C + G
-    _gather_rows(k[h], v[h], hd.gk[h], lo_first, U, C, s)
-    logits = s.pflat[: QB * E].reshape(QB, E)
-    np.dot(s.qb, s.kb[:E].T, logits)
-    nd = _mask_static(logits, U, C, lo_first, lo_last, cfg, s)
-    keys, order, slot_valid, vh, qb = hd.keys[h], hd.order[h], hd.slot_valid[h], v[h], s.qb
-    for j in range(nq):
-        nown = 0
-        qv = qb[j]
-        if cfg[15]:
-            n = _own_descend(j, qv, sealed, cfg, count, mean, direction, ends, s)
-            nown = _own_leaves(qv, lo[i0 + j], n, nfin, sealed, M, keys, order, slot_valid, cfg, s)
-        _query(logits[j], qv, lo[i0 + j], lo_first, M, nleaf, nown, nd, cfg, h, hd, vh, s, out[h, i0 + j])
-
-
 @njit(fastmath=_FAST, cache=True, inline="always")
 def _query(row, qv, lo_i, lo_first, M, nleaf, nown, nd, cfg, h, hd, v, s, out):
     """One query's output from its row of logits ``row`` (window from ``lo_first``, candidates,
@@ -656,12 +611,54 @@ def _scratch(D, Dv, sizes, like):
 
 @njit(fastmath=_FAST, cache=True, nogil=True)
 def _forward(qs, k, v, lo, cfg, sizes, hd, out, first, last):
-    """Tasks ``[first, last)`` of the (head, query block) grid, with one scratch."""
-    N, QB = qs.shape[1], sizes[0]
-    nb = (N + QB - 1) // QB
+    """Tasks ``[first, last)`` of the (head, query block) grid, with one scratch. Each task: the
+    descent, candidates, one product for every logit, then each query's own descent
+    (``query_beam``), exact keys, summaries and softmax."""
+    N = qs.shape[1]
+    nb = (N + sizes[0] - 1) // sizes[0]
     s = _scratch(qs.shape[2], v.shape[2], sizes, qs)
     for t in range(first, last):
-        _task(t // nb, t % nb, qs, k, v, lo, cfg, hd, s, out)
+        h, blk = t // nb, t % nb
+        w, bs, G, chunk, causal = cfg[0], cfg[1], cfg[3], cfg[9], cfg[11]
+        QB = s.qb.shape[0]
+        N, M = qs.shape[1], k.shape[1]
+        i0 = blk * QB
+        nq = min(QB, N - i0)
+        lo_first, lo_last = lo[i0], lo[i0 + nq - 1]
+        U = lo_last - lo_first + w
+        s.qb[:nq] = qs[h, i0: i0 + nq]
+        s.qb[nq:] = 0.0
+        sealed = 0
+        count, mean, direction, ends = hd.count[h], hd.mean[h], hd.direction[h], hd.ends[h]
+        if causal:
+            sealed = max(max(lo_first, 0) // chunk - 1, 0) * chunk
+        if cfg[15]:
+            _first_level(s.qb, sealed, cfg, count, mean, direction, ends, s)
+        if causal:
+            qd = s.qd
+            for j in range(QB):  # the QB queries ending at the block's first one
+                for d in range(qd.shape[1]):
+                    qd[j, d] = qs[h, max(i0 - QB + 1 + j, 0), d]
+            nfin = _descend(s.qd, QB, sealed, cfg, count, mean, direction, ends, s)
+        else:
+            nfin = _descend(s.qb, nq, sealed, cfg, count, mean, direction, ends, s)
+        s.mnode[:nfin] = s.node[:nfin]
+        s.mscore[:nfin] = s.score[:nfin]
+        nleaf = _candidates(s.node, s.score, nfin, sealed, lo_last, M, hd.order[h], hd.slot_valid[h], cfg, s.rank, s.ok)
+        C = nleaf * bs
+        E = U + C + G
+        _gather_rows(k[h], v[h], hd.gk[h], lo_first, U, C, s)
+        logits = s.pflat[: QB * E].reshape(QB, E)
+        np.dot(s.qb, s.kb[:E].T, logits)
+        nd = _mask_static(logits, U, C, lo_first, lo_last, cfg, s)
+        keys, order, slot_valid, vh, qb = hd.keys[h], hd.order[h], hd.slot_valid[h], v[h], s.qb
+        for j in range(nq):
+            nown = 0
+            qv = qb[j]
+            if cfg[15]:
+                n = _own_descend(j, qv, sealed, cfg, count, mean, direction, ends, s)
+                nown = _own_leaves(qv, lo[i0 + j], n, nfin, sealed, M, keys, order, slot_valid, cfg, s)
+            _query(logits[j], qv, lo[i0 + j], lo_first, M, nleaf, nown, nd, cfg, h, hd, vh, s, out[h, i0 + j])
 
 
 @njit(cache=True, nogil=True)
