@@ -626,8 +626,10 @@ def _forward(qs, k, v, lo, cfg, sizes, hd, out, first, last):
         nq = min(QB, N - i0)
         lo_first, lo_last = lo[i0], lo[i0 + nq - 1]
         U = lo_last - lo_first + w
-        s.qb[:nq] = qs[h, i0: i0 + nq]
-        s.qb[nq:] = 0.0
+        qb = s.qb
+        for j in range(QB):  # loops, not slice copies: those compile numba's shape-error messages (5 s)
+            for d in range(qb.shape[1]):
+                qb[j, d] = qs[h, i0 + j, d] if j < nq else 0.0
         sealed = 0
         count, mean, direction, ends = hd.count[h], hd.mean[h], hd.direction[h], hd.ends[h]
         if causal:
@@ -642,8 +644,9 @@ def _forward(qs, k, v, lo, cfg, sizes, hd, out, first, last):
             nfin = _descend(s.qd, QB, sealed, cfg, count, mean, direction, ends, s)
         else:
             nfin = _descend(s.qb, nq, sealed, cfg, count, mean, direction, ends, s)
-        s.mnode[:nfin] = s.node[:nfin]
-        s.mscore[:nfin] = s.score[:nfin]
+        mnode, mscore, node, score = s.mnode, s.mscore, s.node, s.score
+        for a in range(nfin):
+            mnode[a], mscore[a] = node[a], score[a]
         nleaf = _candidates(s.node, s.score, nfin, sealed, lo_last, M, hd.order[h], hd.slot_valid[h], cfg, s.rank, s.ok)
         C = nleaf * bs
         E = U + C + G
@@ -651,7 +654,7 @@ def _forward(qs, k, v, lo, cfg, sizes, hd, out, first, last):
         logits = s.pflat[: QB * E].reshape(QB, E)
         np.dot(s.qb, s.kb[:E].T, logits)
         nd = _mask_static(logits, U, C, lo_first, lo_last, cfg, s)
-        keys, order, slot_valid, vh, qb = hd.keys[h], hd.order[h], hd.slot_valid[h], v[h], s.qb
+        keys, order, slot_valid, vh = hd.keys[h], hd.order[h], hd.slot_valid[h], v[h]
         for j in range(nq):
             nown = 0
             qv = qb[j]

@@ -126,7 +126,8 @@ def _node(h, a, m, scored, split, hp, iterations, x, valid, order, xn, vn, on, c
     c = _node_stats(xs, ws, iterations, mu, u, acc, pr)
     if scored:
         count[h, hp] = c
-        mean[h, hp], direction[h, hp] = mu, u
+        for d in range(mu.shape[0]):  # a loop, not a row copy: that compiles numba's shape-error message (5 s)
+            mean[h, hp, d], direction[h, hp, d] = mu[d], u[d]
         ends[h, hp, 0], ends[h, hp, 1] = pr.max(), pr.min()
     if split:
         ix = idx[h, a: a + m]
