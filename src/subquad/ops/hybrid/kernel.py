@@ -564,24 +564,6 @@ def _own_leaves(qv, lo_i, nown, nblock, sealed, M, keys, order, slot_valid, cfg,
     return L
 
 
-@njit(fastmath=_FAST, cache=True, inline="always")
-def _query(row, qv, lo_i, lo_first, M, nleaf, nown, nd, cfg, h, hd, v, s, out):
-    """One query's output from its row of logits ``row`` (window from ``lo_first``, candidates,
-    summaries' key sums) and its own leaves (``nown``, in ``s.xo``): the dirty keys it may not
-    select masked (in its window, or causal after it), its exact keys, its summary columns, the
-    softmax."""
-    w, causal, U = cfg[0], cfg[11], s.dims[0]
-    dirty, rank = s.dirty, s.rank
-    for a in range(nd):
-        e = dirty[a]
-        r = rank[e]
-        if r >= lo_i and (causal or r < lo_i + w):
-            row[U + e] = _NEG
-    nx, nwin = _exact(row, lo_i, lo_first, M, nleaf, nown, rank, v, cfg, s)
-    ncol = _columns(row, qv, lo_i, M, nx, nwin, cfg, h, hd, s)
-    _softmax_row(s.vb, nx, ncol, lo_i, cfg, h, hd, s, out)
-
-
 Scratch = namedtuple("Scratch", "qb qd node score child base straddle vbuf cs tmp topi topv pflat rank ok kb dims "
                                 "lscore xl xr xg cq cn lc dirty e0 e1 ex bits vb xv mnode mscore "
                                 "fproj fchild fbase fstraddle fends xo ro ci cv")
@@ -654,14 +636,22 @@ def _forward(qs, k, v, lo, cfg, sizes, hd, out, first, last):
         logits = s.pflat[: QB * E].reshape(QB, E)
         np.dot(s.qb, s.kb[:E].T, logits)
         nd = _mask_static(logits, U, C, lo_first, lo_last, cfg, s)
-        keys, order, slot_valid, vh = hd.keys[h], hd.order[h], hd.slot_valid[h], v[h]
+        keys, order, slot_valid, vh, dirty, rank = hd.keys[h], hd.order[h], hd.slot_valid[h], v[h], s.dirty, s.rank
+        # each query: its own leaves, the dirty keys it may not select masked (in its window, or
+        # causal after it), its exact keys, its summary columns, the softmax
         for j in range(nq):
             nown = 0
-            qv = qb[j]
+            qv, row, lo_i = qb[j], logits[j], lo[i0 + j]
             if cfg[15]:
                 n = _own_descend(j, qv, sealed, cfg, count, mean, direction, ends, s)
-                nown = _own_leaves(qv, lo[i0 + j], n, nfin, sealed, M, keys, order, slot_valid, cfg, s)
-            _query(logits[j], qv, lo[i0 + j], lo_first, M, nleaf, nown, nd, cfg, h, hd, vh, s, out[h, i0 + j])
+                nown = _own_leaves(qv, lo_i, n, nfin, sealed, M, keys, order, slot_valid, cfg, s)
+            for a in range(nd):
+                r = rank[dirty[a]]
+                if r >= lo_i and (causal or r < lo_i + w):
+                    row[U + dirty[a]] = _NEG
+            nx, nwin = _exact(row, lo_i, lo_first, M, nleaf, nown, rank, vh, cfg, s)
+            ncol = _columns(row, qv, lo_i, M, nx, nwin, cfg, h, hd, s)
+            _softmax_row(s.vb, nx, ncol, lo_i, cfg, h, hd, s, out[h, i0 + j])
 
 
 @njit(cache=True, nogil=True)
