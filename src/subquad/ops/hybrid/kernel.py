@@ -13,11 +13,13 @@ reference-count pair each time.
 It computes what :func:`.attend.hybrid_core` computes (the same selection; values equal to
 rounding) from the same key index (:func:`.index.build_index`), without autograd: the torch path
 stays for gradients, other devices, ``torch.compile`` and dispatch modes. Ties between equal
-scores may be broken differently. The first call compiles (about 45 s on 2 x86 cores, once per machine and
+scores may be broken differently. The first call compiles (35-50 s on 2 x86 cores, once per machine and
 dtype); the result is cached on disk (``cache=True``: beside this file, or in the user's cache
-directory when that is read-only). The task loop and its body are one function: numba re-optimises
-every callee's code inside its caller, so a separate per-task function was optimised twice (13 %
-of the cold start).
+directory when that is read-only). Three rules keep that compile short (together a third of it):
+the task loop and its body are one function (numba re-optimises every callee's code inside its
+caller); large steps are written in that loop rather than in an ``inline="always"`` function
+(numba inlines by copying the callee's IR block by block, with its whole scope each time); arrays
+are copied with loops, not slice assignments (those compile numba's shape-error messages).
 """
 
 from __future__ import annotations
