@@ -116,39 +116,14 @@ def _select_half(val, idx, m):
             break
 
 
-@njit(fastmath=_FAST, cache=True)
-def _node(h, a, m, scored, split, hp, iterations, x, valid, order, xn, vn, on, count, mean, direction, ends, proj,
-          idx, mu, u, acc):
-    """One node, slots ``[a, a + m)`` of head ``h`` (heap id ``hp``): its summary (into the heap
-    when ``scored``) and, when ``split``, its keys reordered into ``xn``/``vn``/``on`` with the
-    half of smaller projections first (empty slots project to +inf)."""
-    xs, ws, pr = x[h, a: a + m], valid[h, a: a + m], proj[h, a: a + m]
-    c = _node_stats(xs, ws, iterations, mu, u, acc, pr)
-    if scored:
-        count[h, hp] = c
-        for d in range(mu.shape[0]):  # a loop, not a row copy: that compiles numba's shape-error message (5 s)
-            mean[h, hp, d], direction[h, hp, d] = mu[d], u[d]
-        ends[h, hp, 0], ends[h, hp, 1] = pr.max(), pr.min()
-    if split:
-        ix = idx[h, a: a + m]
-        for j in range(m):
-            ix[j] = j
-            if ws[j] == 0:
-                pr[j] = np.inf
-        _select_half(pr, ix, m)
-        for j in range(m):
-            src = a + ix[j]
-            for d in range(x.shape[2]):
-                xn[h, a + j, d] = x[h, src, d]
-            vn[h, a + j] = valid[h, src]
-            on[h, a + j] = order[h, src]
-
-
 @njit(fastmath=_FAST, cache=True, nogil=True)
 def _level(level, per_task, scored, split, iterations, x, valid, order, xn, vn, on, count, mean, direction, ends,
            proj, idx, first, last):
-    """Tasks ``[first, last)`` of one level of every head's tree, ``per_task`` nodes each
-    (:func:`_node` for each node)."""
+    """Tasks ``[first, last)`` of one level of every head's tree, ``per_task`` nodes each. A node
+    (slots ``[a, a + m)`` of head ``h``, heap id ``hp``): its summary (into the heap when
+    ``scored``) and, when ``split``, its keys reordered into ``xn``/``vn``/``on`` with the half of
+    smaller projections first (empty slots project to +inf). One function with its loop: numba
+    re-optimises a callee's code inside its caller."""
     BH, S, D = x.shape
     nodes = 1 << level
     m = S // nodes
@@ -157,8 +132,27 @@ def _level(level, per_task, scored, split, iterations, x, valid, order, xn, vn, 
     for t in range(first, last):
         h, first_node = t // tasks, (t % tasks) * per_task
         for nd in range(first_node, first_node + per_task):
-            _node(h, nd * m, m, scored, split, nodes + nd, iterations, x, valid, order, xn, vn, on, count, mean,
-                  direction, ends, proj, idx, mu, u, acc)
+            a, hp = nd * m, nodes + nd
+            xs, ws, pr = x[h, a: a + m], valid[h, a: a + m], proj[h, a: a + m]
+            c = _node_stats(xs, ws, iterations, mu, u, acc, pr)
+            if scored:
+                count[h, hp] = c
+                for d in range(D):  # a loop, not a row copy: that compiles numba's shape-error message (5 s)
+                    mean[h, hp, d], direction[h, hp, d] = mu[d], u[d]
+                ends[h, hp, 0], ends[h, hp, 1] = pr.max(), pr.min()
+            if split:
+                ix = idx[h, a: a + m]
+                for j in range(m):
+                    ix[j] = j
+                    if ws[j] == 0:
+                        pr[j] = np.inf
+                _select_half(pr, ix, m)
+                for j in range(m):
+                    src = a + ix[j]
+                    for d in range(D):
+                        xn[h, a + j, d] = x[h, src, d]
+                    vn[h, a + j] = valid[h, src]
+                    on[h, a + j] = order[h, src]
 
 
 _local = threading.local()
