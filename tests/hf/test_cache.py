@@ -13,7 +13,6 @@ from test_retrofit import _ids, tiny_gpt2, tiny_llama  # noqa: E402
 transformers.logging.set_verbosity_error()
 
 
-
 def _cache(cache) -> dict:
     """The cache as a keyword argument under the installed transformers' name for it."""
     return {H.CACHE_ARGUMENT: cache}
@@ -95,7 +94,6 @@ def test_state_cache_refused_in_exact_mode_and_hooks_removed_by_unretrofit():
     with pytest.raises(NotImplementedError, match="approximation"), torch.no_grad():
         model(input_ids=_ids(1, 8), **_cache(H.StateCache()))
     mods = [m for _, m in H.attention_modules(model)]
-
     H.unretrofit(model)
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in mods)
 

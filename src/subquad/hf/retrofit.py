@@ -257,12 +257,12 @@ def _remember_cache(module: nn.Module, args: tuple, kwargs: dict) -> None:
     transformers names it (:data:`~subquad.hf.cache.CACHE_ARGUMENT`); a :class:`StateCache` under
     the other name would reach no layer (the model would decode with a cache of its own), so it is
     refused."""
-    import transformers
-
     from .cache import CACHE_ARGUMENT, StateCache
 
     other = "past_key_values" if CACHE_ARGUMENT == "cache" else "cache"
     if isinstance(kwargs.get(other), StateCache) and kwargs.get(CACHE_ARGUMENT) is not kwargs[other]:
+        import transformers
+
         raise TypeError(f"subquad retrofit: transformers {transformers.__version__} takes the cache as "
                         f"{CACHE_ARGUMENT}=, not {other}=")
     module.subquad_retrofit.active_cache = kwargs.get(CACHE_ARGUMENT, kwargs.get(other))

@@ -598,19 +598,17 @@ def _forward(qs, k, v, lo, cfg, sizes, hd, out, first, last):
     """Tasks ``[first, last)`` of the (head, query block) grid, with one scratch. Each task: the
     descent, candidates, one product for every logit, then each query's own descent
     (``query_beam``), exact keys, summaries and softmax."""
-    N = qs.shape[1]
-    nb = (N + sizes[0] - 1) // sizes[0]
+    N, M, QB = qs.shape[1], k.shape[1], sizes[0]
+    nb = (N + QB - 1) // QB
+    w, bs, G, chunk, causal = cfg[0], cfg[1], cfg[3], cfg[9], cfg[11]
     s = _scratch(qs.shape[2], v.shape[2], sizes, qs)
+    qb, qd, mnode, mscore, node, score, dirty, rank = s.qb, s.qd, s.mnode, s.mscore, s.node, s.score, s.dirty, s.rank
     for t in range(first, last):
         h, blk = t // nb, t % nb
-        w, bs, G, chunk, causal = cfg[0], cfg[1], cfg[3], cfg[9], cfg[11]
-        QB = s.qb.shape[0]
-        N, M = qs.shape[1], k.shape[1]
         i0 = blk * QB
         nq = min(QB, N - i0)
         lo_first, lo_last = lo[i0], lo[i0 + nq - 1]
         U = lo_last - lo_first + w
-        qb = s.qb
         for j in range(QB):  # loops, not slice copies: those compile numba's shape-error messages (5 s)
             for d in range(qb.shape[1]):
                 qb[j, d] = qs[h, i0 + j, d] if j < nq else 0.0
@@ -619,26 +617,24 @@ def _forward(qs, k, v, lo, cfg, sizes, hd, out, first, last):
         if causal:
             sealed = max(max(lo_first, 0) // chunk - 1, 0) * chunk
         if cfg[15]:
-            _first_level(s.qb, sealed, cfg, count, mean, direction, ends, s)
+            _first_level(qb, sealed, cfg, count, mean, direction, ends, s)
         if causal:
-            qd = s.qd
             for j in range(QB):  # the QB queries ending at the block's first one
                 for d in range(qd.shape[1]):
                     qd[j, d] = qs[h, max(i0 - QB + 1 + j, 0), d]
-            nfin = _descend(s.qd, QB, sealed, cfg, count, mean, direction, ends, s)
+            nfin = _descend(qd, QB, sealed, cfg, count, mean, direction, ends, s)
         else:
-            nfin = _descend(s.qb, nq, sealed, cfg, count, mean, direction, ends, s)
-        mnode, mscore, node, score = s.mnode, s.mscore, s.node, s.score
+            nfin = _descend(qb, nq, sealed, cfg, count, mean, direction, ends, s)
         for a in range(nfin):
             mnode[a], mscore[a] = node[a], score[a]
-        nleaf = _candidates(s.node, s.score, nfin, sealed, lo_last, M, hd.order[h], hd.slot_valid[h], cfg, s.rank, s.ok)
+        nleaf = _candidates(node, score, nfin, sealed, lo_last, M, hd.order[h], hd.slot_valid[h], cfg, s.rank, s.ok)
         C = nleaf * bs
         E = U + C + G
         _gather_rows(k[h], v[h], hd.gk[h], lo_first, U, C, s)
         logits = s.pflat[: QB * E].reshape(QB, E)
-        np.dot(s.qb, s.kb[:E].T, logits)
+        np.dot(qb, s.kb[:E].T, logits)
         nd = _mask_static(logits, U, C, lo_first, lo_last, cfg, s)
-        keys, order, slot_valid, vh, dirty, rank = hd.keys[h], hd.order[h], hd.slot_valid[h], v[h], s.dirty, s.rank
+        keys, order, slot_valid, vh = hd.keys[h], hd.order[h], hd.slot_valid[h], v[h]
         # each query: its own leaves, the dirty keys it may not select masked (in its window, or
         # causal after it), its exact keys, its summary columns, the softmax
         for j in range(nq):
