@@ -168,9 +168,8 @@ def _descend(qd, nqd, sealed, cfg, count, mean, direction, ends, s):
         K = 2 * n
         _children(node, score, n, level, sealed, cfg, count, child, base, straddle)
         for c in range(K):
-            for d in range(vbuf.shape[1]):
-                vbuf[c, d] = mean[child[c], d]
-                vbuf[K + c, d] = direction[child[c], d]
+            _copy_row(mean, child[c], vbuf, c)
+            _copy_row(direction, child[c], vbuf, K + c)
         rows = 2 * K if mass else K
         proj = s.pflat[: qd.shape[0] * rows].reshape(qd.shape[0], rows)
         np.dot(qd, vbuf[:rows].T, proj)
@@ -321,8 +320,7 @@ def _exact(p, lo, lo_first, M, nleaf, nown, rank, v, cfg, s):
                 e = t * nown + leaf - nleaf
                 if xo[e] > _NEG:
                     xl[nx], xr[nx], xv[nx] = xo[e], ro[e], row
-                    for d in range(vb.shape[1]):
-                        vb[row, d] = v[ro[e], d]
+                    _copy_row(v, ro[e], vb, row)
                     row += 1
                     nx += 1
     return nx, nwin
@@ -404,14 +402,21 @@ def _softmax_row(vb, nx, ncol, lo, cfg, h, hd, s, out):
     for c in range(ncol):
         lcs[c] = ex[nx + c]
         den += lcs[c] * max(cn[c], zero)
-    out[:] = 0.0
-    for x in range(nx):
+    Dv = out.shape[0]
+    for d in range(Dv):
+        out[d] = zero
+    for x in range(nx):  # each exact key's weight, less its group's (the key left that group)
         den += ex[x]
         g = xg[x]
-        wgt = ex[x] - (lcs[g] if g >= 0 else zero)
-        r = xv[x]
-        for d in range(out.shape[0]):
-            out[d] += wgt * vb[r, d]
+        ex[x] -= lcs[g] if g >= 0 else zero
+    for x in range(0, nx - 1, 2):  # two rows per pass over out: a third less time than one
+        w0, w1, r0, r1 = ex[x], ex[x + 1], xv[x], xv[x + 1]
+        for d in range(Dv):
+            out[d] += w0 * vb[r0, d] + w1 * vb[r1, d]
+    if nx % 2:
+        w0, r0 = ex[nx - 1], xv[nx - 1]
+        for d in range(Dv):
+            out[d] += w0 * vb[r0, d]
     for c in range(G):
         if lcs[c] > 0.0:
             for d in range(out.shape[0]):
@@ -466,6 +471,15 @@ def _gather_rows(k, v, gk, lo_first, U, C, s):
     s.dims[0], s.dims[1] = U, C
 
 
+@njit(fastmath=_FAST, cache=True, inline="always")
+def _copy_row(src, i, dst, j):
+    """``dst[j] = src[i]``. Written as its own loop over one row with the indices bound first:
+    copying two rows in one loop (or reading the index inside it) is not vectorised by numba
+    (measured: 5x slower for the descent's gather)."""
+    for d in range(src.shape[1]):
+        dst[j, d] = src[i, d]
+
+
 @njit(fastmath=_FAST, cache=True)
 def _dot(q, rows, r):
     """``q . rows[r]``: one row's dot product."""
@@ -489,9 +503,8 @@ def _first_level(qb, sealed, cfg, count, mean, direction, ends, s):
     K = 2 * n
     _children(node, score, n, start + 1, sealed, cfg, count, fchild, s.fbase, s.fstraddle)
     for c in range(K):
-        for d in range(mean.shape[1]):
-            vbuf[c, d] = mean[fchild[c], d]
-            vbuf[K + c, d] = direction[fchild[c], d]
+        _copy_row(mean, fchild[c], vbuf, c)
+        _copy_row(direction, fchild[c], vbuf, K + c)
         fends[c, 0], fends[c, 1] = ends[fchild[c], 0], ends[fchild[c], 1]
     rows = 2 * K if mass else K
     np.dot(qb, vbuf[:rows].T, s.fproj[: qb.shape[0] * rows].reshape(qb.shape[0], rows))
