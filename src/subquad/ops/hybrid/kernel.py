@@ -162,8 +162,8 @@ def _descend(qd, nqd, sealed, cfg, count, mean, direction, ends, s):
         node[j] = n + j
         score[j] = 0.0
     child, base, straddle, vbuf, cs, tmp = s.child, s.base, s.straddle, s.vbuf, s.cs, s.tmp
-    e0, e1, ex, bits, topi, topv = s.e0, s.e1, s.ex, s.bits, s.topi, s.topv
-    zero, neg = qd.dtype.type(0), qd.dtype.type(_NEG)
+    ex, bits, topi, topv, qmax, qsum = s.ex, s.bits, s.topi, s.topv, s.qmax, s.qsum
+    zero, neg, Q = qd.dtype.type(0), qd.dtype.type(_NEG), qd.shape[0]
     for level in range(start + 1, final + 1):
         K = 2 * n
         _children(node, score, n, level, sealed, cfg, count, child, base, straddle)
@@ -171,30 +171,37 @@ def _descend(qd, nqd, sealed, cfg, count, mean, direction, ends, s):
             _copy_row(mean, child[c], vbuf, c)
             _copy_row(direction, child[c], vbuf, K + c)
         rows = 2 * K if mass else K
-        proj = s.pflat[: qd.shape[0] * rows].reshape(qd.shape[0], rows)
-        np.dot(qd, vbuf[:rows].T, proj)
+        proj = s.pflat[: rows * Q].reshape(rows, Q)  # child-major, so that each pass below runs over queries
+        np.dot(vbuf[:rows], qd.T, proj)
+        for j in range(Q):
+            qmax[j], qsum[j] = neg, zero
+        # every query's child scores (tmp, child-major), each query's log-sum-exp over the children,
+        # the children's best relative score: one pass per step over all (child, query) pairs, each
+        # vectorised over the queries (per query, these passes are too short to pay their set-up)
         for c in range(K):
-            cs[c] = _NEG
-            e0[c], e1[c] = ends[child[c], 0], ends[child[c], 1]
-        for j in range(nqd):
-            mx = neg
-            for c in range(K):
-                x = base[c] + proj[j, c]
+            b, a0, a1, o = base[c], ends[child[c], 0], ends[child[c], 1], c * Q
+            for j in range(Q):
+                x = b + proj[c, j]
                 if mass:
-                    x += max(proj[j, K + c] * e0[c], proj[j, K + c] * e1[c])
-                tmp[c] = x
-                mx = max(mx, x)
-            lse = zero
-            if mx > neg:
-                for c in range(K):
-                    ex[c] = tmp[c] - mx
-                _exp(ex, ex, K, bits)
-                acc = zero
-                for c in range(K):
-                    acc += ex[c]
-                lse = mx + qd.dtype.type(math.log(acc))
-            for c in range(K):
-                cs[c] = max(cs[c], tmp[c] - lse)
+                    x += max(proj[K + c, j] * a0, proj[K + c, j] * a1)
+                tmp[o + j] = x
+        for c in range(K):
+            for j in range(Q):
+                qmax[j] = max(qmax[j], tmp[c * Q + j])
+        for c in range(K):
+            for j in range(Q):
+                ex[c * Q + j] = tmp[c * Q + j] - qmax[j] if qmax[j] > neg else neg
+        _exp(ex, ex, K * Q, bits)
+        for c in range(K):
+            for j in range(Q):
+                qsum[j] += ex[c * Q + j]
+        for j in range(nqd):
+            qsum[j] = qmax[j] + qd.dtype.type(math.log(qsum[j])) if qmax[j] > neg else zero
+        for c in range(K):
+            m = neg
+            for j in range(nqd):
+                m = max(m, tmp[c * Q + j] - qsum[j])
+            cs[c] = m
         for c in range(K):
             if straddle[c]:
                 cs[c] = np.inf
@@ -580,8 +587,8 @@ def _own_leaves(qv, lo_i, nown, nblock, sealed, M, keys, order, slot_valid, cfg,
 
 
 Scratch = namedtuple("Scratch", "qb qd node score child base straddle vbuf cs tmp topi topv pflat rank ok kb dims "
-                                "lscore xl xr xg cq cn lc dirty e0 e1 ex bits vb xv mnode mscore "
-                                "fproj fchild fbase fstraddle fends xo ro ci cv")
+                                "lscore xl xr xg cq cn lc dirty ex bits vb xv mnode mscore "
+                                "fproj fchild fbase fstraddle fends xo ro ci cv qmax qsum")
 Heads = namedtuple("Heads", "order slot_valid count mean direction ends gcnt gk gv group_of prek prev keys")
 
 
@@ -591,19 +598,19 @@ def _scratch(D, Dv, sizes, like):
     candidate keys, gathered rows, product entries, columns, own candidate keys)."""
     QB, nodes, K, X, L, C, E, P, cols, own = sizes
     dt = like.dtype
-    n_ex = max(C, K, X + cols, own)
+    n_ex = max(C, QB * K, X + cols, own)
     return Scratch(np.empty((QB, D), dt), np.empty((QB, D), dt), np.empty(nodes, np.int64), np.empty(nodes, dt),
                    np.empty(K, np.int64), np.empty(K, dt), np.empty(K, np.bool_), np.empty((2 * K, D), dt),
-                   np.empty(K, dt), np.empty(K, dt), np.empty(max(nodes, L), np.int64), np.empty(max(nodes, L), dt),
+                   np.empty(K, dt), np.empty(QB * K, dt), np.empty(max(nodes, L), np.int64), np.empty(max(nodes, L), dt),
                    np.empty(P, dt), np.empty(C, np.int64), np.empty(C, np.bool_), np.empty((E, D), dt),
                    np.zeros(2, np.int64), np.empty(L + own, dt), np.empty(X, dt), np.empty(X, np.int64),
                    np.empty(X, np.int64), np.empty(cols, dt), np.empty(cols, dt), np.empty(cols, dt),
-                   np.empty(C, np.int64), np.empty(K, dt), np.empty(K, dt), np.empty(n_ex, dt),
+                   np.empty(C, np.int64), np.empty(n_ex, dt),
                    np.empty(n_ex, np.int32), np.empty((E + X, Dv), dt), np.empty(X, np.int64),
                    np.empty(2 * nodes, np.int64), np.empty(2 * nodes, dt),
                    np.empty(QB * 2 * K, dt), np.empty(K, np.int64), np.empty(K, dt), np.empty(K, np.bool_),
                    np.empty((K, 2), dt), np.empty(max(own, 1), dt), np.empty(max(own, 1), np.int64),
-                   np.empty(L + own, np.int64), np.empty(L + own, dt))
+                   np.empty(L + own, np.int64), np.empty(L + own, dt), np.empty(QB, dt), np.empty(QB, dt))
 
 
 @njit(fastmath=_FAST, cache=True, nogil=True)
