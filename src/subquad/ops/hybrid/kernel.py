@@ -601,8 +601,9 @@ def _scratch(D, Dv, sizes, like):
     n_ex = max(C, QB * K, X + cols, own)
     return Scratch(np.empty((QB, D), dt), np.empty((QB, D), dt), np.empty(nodes, np.int64), np.empty(nodes, dt),
                    np.empty(K, np.int64), np.empty(K, dt), np.empty(K, np.bool_), np.empty((2 * K, D), dt),
-                   np.empty(K, dt), np.empty(QB * K, dt), np.empty(max(nodes, L), np.int64), np.empty(max(nodes, L), dt),
-                   np.empty(P, dt), np.empty(C, np.int64), np.empty(C, np.bool_), np.empty((E, D), dt),
+                   np.empty(K, dt), np.empty(QB * K, dt), np.empty(max(nodes, L), np.int64),
+                   np.empty(max(nodes, L), dt), np.empty(P, dt), np.empty(C, np.int64), np.empty(C, np.bool_),
+                   np.empty((E, D), dt),
                    np.zeros(2, np.int64), np.empty(L + own, dt), np.empty(X, dt), np.empty(X, np.int64),
                    np.empty(X, np.int64), np.empty(cols, dt), np.empty(cols, dt), np.empty(cols, dt),
                    np.empty(C, np.int64), np.empty(n_ex, dt),
