@@ -30,7 +30,10 @@ from collections import namedtuple
 
 import numpy as np
 import torch
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.core.extending import intrinsic
 
 from . import options as _options
 from .index import KeyIndex
@@ -45,6 +48,31 @@ __all__ = ["hybrid_kernel"]
 # that keep them
 _FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
 _NEG = -np.inf
+_AHEAD = 8  # rows prefetched ahead in a gather
+
+
+@intrinsic
+def _prefetch(typingctx, arr, i, j):
+    """Ask the CPU to bring the cache line of ``arr[i, j]`` (a 2-D array) into cache: a hint
+    (LLVM's ``llvm.prefetch``, read, high locality), never a fault."""
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, args[1:], wraparound=False)
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0i8")
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.none(arr, i, j), codegen
+
+
+@njit(cache=True, inline="always")
+def _prefetch_row(a, i):
+    """Prefetch row ``i`` of the 2-D ``a`` (every 64-byte line)."""
+    for d in range(0, a.shape[1], 64 // a.itemsize):
+        _prefetch(a, i, d)
 
 
 @njit(fastmath=_FAST, cache=True, inline="always")
@@ -168,6 +196,9 @@ def _descend(qd, nqd, sealed, cfg, count, mean, direction, ends, s):
         K = 2 * n
         _children(node, score, n, level, sealed, cfg, count, child, base, straddle)
         for c in range(K):
+            if c + _AHEAD < K:
+                _prefetch_row(mean, child[c + _AHEAD])
+                _prefetch_row(direction, child[c + _AHEAD])
             _copy_row(mean, child[c], vbuf, c)
             _copy_row(direction, child[c], vbuf, K + c)
         rows = 2 * K if mass else K
@@ -468,6 +499,9 @@ def _gather_rows(k, v, gk, lo_first, U, C, s):
     kb, vb, rank = s.kb, s.vb, s.rank
     for u in range(U + C):
         r = min(max(lo_first + u, 0), M - 1) if u < U else rank[u - U]
+        if U <= u + _AHEAD < U + C:  # the candidates are scattered rows: fetch a few ahead
+            _prefetch_row(k, rank[u + _AHEAD - U])
+            _prefetch_row(v, rank[u + _AHEAD - U])
         for d in range(D):
             kb[u, d] = k[r, d]
         for d in range(Dv):
