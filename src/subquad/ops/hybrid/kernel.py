@@ -12,7 +12,8 @@ reference-count pair each time. What LLVM vectorises here (measured, numba 0.68)
 store whose indices are bound before it (:func:`_copy_row`; two rows copied in one loop ran 5x
 slower); long passes over a whole block (the descent scores all (child, query) pairs in passes
 over the queries, where per query the 64-entry loops cost more to set up than to run); not a
-running maximum (``m = max(m, x[i])`` stays scalar).
+maximum, running (``m = max(m, x[i])``) or entry by entry over a row of run-time length (both
+stay scalar).
 
 It computes what :func:`.attend.hybrid_core` computes (the same selection; values equal to
 rounding) from the same key index (:func:`.index.build_index`), without autograd: the torch path
@@ -211,8 +212,8 @@ def _descend(qd, nqd, sealed, cfg, count, mean, direction, ends, s):
         for j in range(Q):
             qmax[j], qsum[j] = neg, zero
         # every query's child scores (tmp, child-major), each query's log-sum-exp over the children,
-        # the children's best relative score: one pass per step over all (child, query) pairs, each
-        # vectorised over the queries (per query, these passes are too short to pay their set-up)
+        # the children's best relative score: one pass per step over all (child, query) pairs, those
+        # without a maximum vectorised over the queries (per query, too short to pay their set-up)
         for c in range(K):
             b, a0, a1, o = base[c], ends[child[c], 0], ends[child[c], 1], c * Q
             for j in range(Q):
@@ -461,16 +462,16 @@ def _softmax_row(vb, nx, ncol, lo, cfg, h, hd, s, out):
             out[d] += w0 * vb[r0, d]
     for c in range(G):
         if lcs[c] > 0.0:
-            for d in range(out.shape[0]):
+            for d in range(Dv):
                 out[d] += lcs[c] * gv[h, c, d]
     if causal and lcs[G] > 0.0:
         a = max(lo, 0)
         ga = min(a // gs, G - 1)
         row = hd.prev[h, ga, a - ga * gs]
-        for d in range(out.shape[0]):
+        for d in range(Dv):
             out[d] += lcs[G] * row[d]
     if den > 0.0:
-        for d in range(out.shape[0]):
+        for d in range(Dv):
             out[d] /= den
 
 
