@@ -2,8 +2,9 @@
 # On a CUDA machine whose python3 already has torch, numpy, numba, scipy, threadpoolctl, tqdm,
 # matplotlib and pytest-xdist: the CUDA tests, `subquad compare` on the GPU in bf16 at 4k-64k
 # tokens (exact attention = SDPA's default dispatch, timed here against its flash kernel alone),
-# then the CPU suite in whatever time is left of a 570 s run. Logs and the compare run go to $OUT
-# (default out/gpu); results in benchmarks/results/cuda.md.
+# the hybrid kernel's cold start on this host's CPU, then the CPU suite in whatever time is left of
+# a 570 s run. Logs and the compare run go to $OUT (default out/gpu); results in
+# benchmarks/results/cuda.md.
 #   bash benchmarks/gpu_check.sh
 set -u
 OUT=${OUT:-out/gpu}
@@ -39,6 +40,10 @@ PY
 timeout 200 python3 -m subquad compare --device cuda --dtype bfloat16 --n 4096 16384 65536 --source random \
   --error-inputs iid --max-call-seconds 5 --min-run-time 0.2 --out "$OUT/compare" --quiet >"$OUT/compare.log" 2>&1
 echo "compare rc=$? at ${SECONDS}s"; tail -n 40 "$OUT/compare.log"
+
+# the compiled CPU kernel's cold start on this host: a fresh process's first hybrid call at N = 4096,
+# numba cache empty, then filled (the same measurement as benchmarks/hybrid_speed.py's)
+timeout 150 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import hybrid_speed; print('cold start', hybrid_speed.cold_start())"
 
 # the CPU suite (correctness under this machine's torch) in the time left
 left=$((570 - SECONDS))
