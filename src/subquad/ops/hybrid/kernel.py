@@ -81,10 +81,11 @@ def _prefetch_row(a, i):
 
 
 @njit(fastmath=_FAST, cache=True, inline="always")
-def _exp(x, out, n, bits):
+def _exp(x, out, n, bits, scale):
     """``out[:n] = exp(x[:n])`` for ``x <= 88`` (-inf -> 0). float32: a vectorised exp (Cody-Waite
-    reduction, degree-7 polynomial, the power of two built in ``bits``, an int32 scratch; relative
-    error < 3e-7), about 7x libm's scalar exp on AVX2; float64: libm's."""
+    reduction, degree-7 polynomial, the power of two built in ``bits``, an int32 scratch, and read
+    through ``scale``, its float32 view; relative error < 3e-7), about 7x libm's scalar exp on
+    AVX2; float64: libm's."""
     if x.itemsize != 4:
         for i in range(n):
             out[i] = math.exp(x[i])
@@ -98,7 +99,6 @@ def _exp(x, out, n, bits):
             p = p * r + np.float32(c)
         out[i] = p if x[i] > np.float32(-87.0) else np.float32(0.0)
         bits[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
-    scale = bits.view(np.float32)
     for i in range(n):
         out[i] *= scale[i]
 
@@ -195,7 +195,7 @@ def _descend(qd, nqd, sealed, cfg, count, mean, direction, ends, s):
         node[j] = n + j
         score[j] = 0.0
     child, base, straddle, vbuf, cs, tmp = s.child, s.base, s.straddle, s.vbuf, s.cs, s.tmp
-    ex, bits, topi, topv, qmax, qsum = s.ex, s.bits, s.topi, s.topv, s.qmax, s.qsum
+    ex, bits, scale, topi, topv, qmax, qsum = s.ex, s.bits, s.scale, s.topi, s.topv, s.qmax, s.qsum
     zero, neg, Q = qd.dtype.type(0), qd.dtype.type(_NEG), qd.shape[0]
     for level in range(start + 1, final + 1):
         K = 2 * n
@@ -227,7 +227,7 @@ def _descend(qd, nqd, sealed, cfg, count, mean, direction, ends, s):
         for c in range(K):
             for j in range(Q):
                 ex[c * Q + j] = tmp[c * Q + j] - qmax[j] if qmax[j] > neg else neg
-        _exp(ex, ex, K * Q, bits)
+        _exp(ex, ex, K * Q, bits, scale)
         for c in range(K):
             for j in range(Q):
                 qsum[j] += ex[c * Q + j]
@@ -284,7 +284,7 @@ def _leaf_mass(x, L, off, top, bs, s):
     ex, sc = s.ex, s.lscore
     for e in range(bs * L):
         ex[e] = x[e] - top
-    _exp(ex, ex, bs * L, s.bits)
+    _exp(ex, ex, bs * L, s.bits, s.scale)
     for leaf in range(L):
         sc[off + leaf] = ex[leaf]
     for t in range(1, bs):
@@ -316,35 +316,37 @@ def _leaf_top(x, nleaf, xo, nown, cfg, s):
     bs, ns, mass = cfg[1], cfg[2], cfg[12]
     n = nleaf + nown
     sc = s.lscore
-    if not mass:
-        _leaf_mean(x, nleaf, 0, bs, s)
-        _leaf_mean(xo, nown, nleaf, bs, s)
-        return _top_many(sc, n, ns, s.topi, s.topv, s.ci, s.cv)
     top = x.dtype.type(_NEG)
-    for e in range(bs * nleaf):
-        top = max(top, x[e])
-    for e in range(bs * nown):
-        top = max(top, xo[e])
-    if not top > _NEG:
-        return 0
-    _leaf_mass(x, nleaf, 0, top, bs, s)
-    _leaf_mass(xo, nown, nleaf, top, bs, s)
-    for leaf in range(n):  # exp(score - top): the same order as the score; 0 -> never taken
-        sc[leaf] = sc[leaf] if sc[leaf] > 0 else _NEG
+    if mass:
+        for e in range(bs * nleaf):
+            top = max(top, x[e])
+        for e in range(bs * nown):
+            top = max(top, xo[e])
+        if not top > _NEG:
+            return 0
+    for part in range(2):  # one call site each: numba copies an inlined function's code per call
+        y = x if part == 0 else xo
+        L = nleaf if part == 0 else nown
+        if mass:
+            _leaf_mass(y, L, part * nleaf, top, bs, s)
+        else:
+            _leaf_mean(y, L, part * nleaf, bs, s)
+    if mass:
+        for leaf in range(n):  # exp(score - top): the same order as the score; 0 -> never taken
+            sc[leaf] = sc[leaf] if sc[leaf] > 0 else _NEG
     return _top_many(sc, n, ns, s.topi, s.topv, s.ci, s.cv)
 
 
 @njit(fastmath=_FAST, cache=True, inline="always")
-def _exact(p, lo, lo_first, M, nleaf, nown, rank, v, cfg, s):
+def _exact(p, lo, lo_first, M, nleaf, nown, m, rank, v, cfg, s):
     """One query's exact keys: its window (logits at ``p[r - lo_first]``) and the allowed keys of
-    its best candidate leaves (the block's: logits at ``p[U + e]``, -inf where not allowed; its
-    own: ``s.xo``, ranks ``s.ro``, their values copied from ``v`` into ``s.vb`` past the block's
-    rows), into ``s.xl`` (logits), ``s.xr`` (ranks) and ``s.xv`` (rows of ``s.vb``). Returns
-    (number of exact keys, number of window keys)."""
+    its ``m`` best candidate leaves ``s.topi`` (the block's: logits at ``p[U + e]``, -inf where not
+    allowed; its own: ``s.xo``, ranks ``s.ro``, their values copied from ``v`` into ``s.vb`` past
+    the block's rows), into ``s.xl`` (logits), ``s.xr`` (ranks) and ``s.xv`` (rows of ``s.vb``).
+    Returns (number of exact keys, number of window keys)."""
     w, bs = cfg[0], cfg[1]
     U, C = s.dims[0], s.dims[1]
     x, xo, ro, xl, xr, xv, vb, topi = p[U:], s.xo, s.ro, s.xl, s.xr, s.xv, s.vb, s.topi
-    m = _leaf_top(x, nleaf, xo, nown, cfg, s)
     nx = 0
     for r in range(max(lo, 0), min(lo + w, M)):
         xl[nx], xr[nx], xv[nx] = p[r - lo_first], r, r - lo_first
@@ -440,7 +442,7 @@ def _softmax_row(vb, nx, ncol, lo, cfg, h, hd, s, out):
         ex[x] = xl[x] - mx
     for c in range(ncol):
         ex[nx + c] = lcs[c] - mx
-    _exp(ex, ex, nx + ncol, s.bits)
+    _exp(ex, ex, nx + ncol, s.bits, s.scale)
     den = zero
     for c in range(ncol):
         lcs[c] = ex[nx + c]
@@ -627,7 +629,7 @@ def _own_leaves(qv, lo_i, nown, nblock, sealed, M, keys, order, slot_valid, cfg,
 
 Scratch = namedtuple("Scratch", "qb qd node score child base straddle vbuf cs tmp topi topv pflat rank ok kb dims "
                                 "lscore xl xr xg cq cn lc dirty ex bits vb xv mnode mscore "
-                                "fproj fchild fbase fstraddle fends xo ro ci cv qmax qsum")
+                                "fproj fchild fbase fstraddle fends xo ro ci cv qmax qsum scale")
 Heads = namedtuple("Heads", "order slot_valid count mean direction ends gcnt gk gv group_of prek prev keys")
 
 
@@ -638,6 +640,7 @@ def _scratch(D, Dv, sizes, like):
     QB, nodes, K, X, L, C, E, P, cols, own = sizes
     dt = like.dtype
     n_ex = max(C, QB * K, X + cols, own)
+    bits = np.empty(n_ex, np.int32)
     return Scratch(np.empty((QB, D), dt), np.empty((QB, D), dt), np.empty(nodes, np.int64), np.empty(nodes, dt),
                    np.empty(K, np.int64), np.empty(K, dt), np.empty(K, np.bool_), np.empty((2 * K, D), dt),
                    np.empty(K, dt), np.empty(QB * K, dt), np.empty(max(nodes, L), np.int64),
@@ -646,11 +649,12 @@ def _scratch(D, Dv, sizes, like):
                    np.zeros(2, np.int64), np.empty(L + own, dt), np.empty(X, dt), np.empty(X, np.int64),
                    np.empty(X, np.int64), np.empty(cols, dt), np.empty(cols, dt), np.empty(cols, dt),
                    np.empty(C, np.int64), np.empty(n_ex, dt),
-                   np.empty(n_ex, np.int32), np.empty((E + X, Dv), dt), np.empty(X, np.int64),
+                   bits, np.empty((E + X, Dv), dt), np.empty(X, np.int64),
                    np.empty(2 * nodes, np.int64), np.empty(2 * nodes, dt),
                    np.empty(QB * 2 * K, dt), np.empty(K, np.int64), np.empty(K, dt), np.empty(K, np.bool_),
                    np.empty((K, 2), dt), np.empty(max(own, 1), dt), np.empty(max(own, 1), np.int64),
-                   np.empty(L + own, np.int64), np.empty(L + own, dt), np.empty(QB, dt), np.empty(QB, dt))
+                   np.empty(L + own, np.int64), np.empty(L + own, dt), np.empty(QB, dt), np.empty(QB, dt),
+                   bits.view(np.float32))
 
 
 @njit(fastmath=_FAST, cache=True, nogil=True)
@@ -707,7 +711,8 @@ def _forward(qs, k, v, lo, cfg, sizes, hd, out, first, last):
                 r = rank[dirty[a]]
                 if r >= lo_i and (causal or r < lo_i + w):
                     row[U + dirty[a]] = _NEG
-            nx, nwin = _exact(row, lo_i, lo_first, M, nleaf, nown, rank, vh, cfg, s)
+            m = _leaf_top(row[U:], nleaf, s.xo, nown, cfg, s)
+            nx, nwin = _exact(row, lo_i, lo_first, M, nleaf, nown, m, rank, vh, cfg, s)
             ncol = _columns(row, qv, lo_i, M, nx, nwin, cfg, h, hd, s)
             _softmax_row(s.vb, nx, ncol, lo_i, cfg, h, hd, s, out[h, i0 + j])
 
