@@ -139,7 +139,10 @@ def _level(level, per_task, scored, split, iterations, x, valid, order, xn, vn, 
                 count[h, hp] = c
                 for d in range(D):  # a loop, not a row copy: that compiles numba's shape-error message (5 s)
                     mean[h, hp, d], direction[h, hp, d] = mu[d], u[d]
-                ends[h, hp, 0], ends[h, hp, 1] = pr.max(), pr.min()
+                top, bottom = pr[0], pr[0]
+                for j in range(1, m):  # a loop: numpy's max and min compile for a second (0.9 s)
+                    top, bottom = max(top, pr[j]), min(bottom, pr[j])
+                ends[h, hp, 0], ends[h, hp, 1] = top, bottom
             if split:
                 ix = idx[h, a: a + m]
                 for j in range(m):
