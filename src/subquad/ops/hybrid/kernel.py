@@ -18,10 +18,9 @@ stay scalar).
 It computes what :func:`.attend.hybrid_core` computes (the same selection; values equal to
 rounding) from the same key index (:func:`.index.build_index`), without autograd: the torch path
 stays for gradients, other devices, ``torch.compile`` and dispatch modes. Ties between equal
-scores may be broken differently. The first call compiles (about 43 s on 2 x86 cores, 44 s before
-the last rule below on an H100 host's CPU; once per machine and dtype); the result is cached on
-disk (``cache=True``: beside this file, or in the user's cache directory when that is read-only).
-Four rules keep that compile short: the task loop and its body are one function (numba
+scores may be broken differently. The first call compiles (43-45 s on 2 x86 cores, 55 s before
+the third rule below; once per machine and dtype); the result is cached on disk (``cache=True``:
+beside this file, or in the user's cache directory when that is read-only). Four rules keep that compile short: the task loop and its body are one function (numba
 re-optimises every callee's code inside its caller); large steps are written in that loop rather
 than in an ``inline="always"`` function (numba inlines by copying the callee's IR block by block,
 with its whole scope each time); no inlined function inlines another (the copies multiply: the
