@@ -227,10 +227,10 @@ def markdown(res: dict) -> str:
     c = res["cold_start"]
     out += ["", f"Cold start (a fresh process's first hybrid call at N = 4096, which compiles or loads the kernel): "
             f"{c['first_call_empty_cache_s']:.1f} s with an empty numba cache, "
-            f"{c['first_call_filled_cache_s']:.2f} s with a filled one"
-            + (f", where the process's second call took {c['second_call_filled_cache_s']:.2f} s (the first call's "
-               f"excess, {c['first_call_filled_cache_s'] - c['second_call_filled_cache_s']:.2f} s, is the cache's "
-               "load with numba's and scipy's imports)." if "second_call_filled_cache_s" in c else ".")]
+            f"{c['first_call_filled_cache_s']:.2f} s with a filled one, where the process's second call took "
+            f"{c['second_call_filled_cache_s']:.2f} s (the first call's excess, "
+            f"{c['first_call_filled_cache_s'] - c['second_call_filled_cache_s']:.2f} s, is the cache's load with "
+            "numba's and scipy's imports)."]
     return "\n".join(out) + "\n"
 
 

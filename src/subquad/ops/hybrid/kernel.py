@@ -20,12 +20,13 @@ rounding) from the same key index (:func:`.index.build_index`), without autograd
 stays for gradients, other devices, ``torch.compile`` and dispatch modes. Ties between equal
 scores may be broken differently. The first call compiles (43-45 s on 2 x86 cores, 55 s before
 the third rule below; once per machine and dtype); the result is cached on disk (``cache=True``:
-beside this file, or in the user's cache directory when that is read-only). Four rules keep that compile short: the task loop and its body are one function (numba
-re-optimises every callee's code inside its caller); large steps are written in that loop rather
-than in an ``inline="always"`` function (numba inlines by copying the callee's IR block by block,
-with its whole scope each time); no inlined function inlines another (the copies multiply: the
-leaf scores inside the exact keys' step cost 10 s of inlining, called from the loop 3 s); arrays
-are copied with loops, not slice assignments (those compile numba's shape-error messages).
+beside this file, or in the user's cache directory when that is read-only). Four rules keep that
+compile short: the task loop and its body are one function (numba re-optimises every callee's
+code inside its caller); large steps are written in that loop rather than in an
+``inline="always"`` function (numba inlines by copying the callee's IR block by block, with its
+whole scope each time); no inlined function inlines another (the copies multiply: the leaf
+scores inside the exact keys' step cost 10 s of inlining, called from the loop 3 s); arrays are
+copied with loops, not slice assignments (those compile numba's shape-error messages).
 """
 
 from __future__ import annotations
