@@ -159,11 +159,11 @@ def _top_many(x, n, k, idx, val, ci, cv):
 
 
 @njit(fastmath=_FAST, cache=True)
-def _children(node, score, n, level, sealed, cfg, count, child, base, straddle):
-    """The ``2 n`` children of the kept nodes, their log counts (``mass``; 0 for ``mean``; -inf
-    where dead, empty or, causal, outside the sealed chunks) and whether each straddles the sealed
-    end (a node split by position that must be opened)."""
-    slots, chunk_level, chunk, causal, mass = cfg[14], cfg[8], cfg[9], cfg[11], cfg[12]
+def _children(node, score, n, level, sealed, cfg, prior, child, base, straddle):
+    """The ``2 n`` children of the kept nodes, their ``prior`` (:func:`_priors`; -inf where dead
+    or, causal, outside the sealed chunks) and whether each straddles the sealed end (a node split
+    by position that must be opened)."""
+    slots, chunk_level, chunk, causal = cfg[14], cfg[8], cfg[9], cfg[11]
     size = slots >> level
     for c in range(2 * n):
         nd = 2 * node[c // 2] + (c & 1)
@@ -179,15 +179,11 @@ def _children(node, score, n, level, sealed, cfg, count, child, base, straddle):
             elif st < sealed < en:
                 straddle[c] = usable
             usable = usable and en <= sealed
-        cnt = count[nd]
-        if not usable or cnt == 0:
-            base[c] = _NEG
-        else:
-            base[c] = math.log(cnt) if mass else 0.0
+        base[c] = prior[nd] if usable else _NEG
 
 
 @njit(fastmath=_FAST, cache=True)
-def _descend(qd, nqd, sealed, cfg, count, mean, direction, ends, s):
+def _descend(qd, nqd, sealed, cfg, prior, mean, direction, ends, s):
     """The beam descent of one block (:func:`.select.descend`): ``qd`` ``(64, D)`` scaled
     queries, the first ``nqd`` scored. Leaves the final nodes (heap ids) in ``s.node`` and their
     scores in ``s.score``; returns how many. ``s``: the worker's scratch."""
@@ -202,7 +198,7 @@ def _descend(qd, nqd, sealed, cfg, count, mean, direction, ends, s):
     zero, neg, Q = qd.dtype.type(0), qd.dtype.type(_NEG), qd.shape[0]
     for level in range(start + 1, final + 1):
         K = 2 * n
-        _children(node, score, n, level, sealed, cfg, count, child, base, straddle)
+        _children(node, score, n, level, sealed, cfg, prior, child, base, straddle)
         for c in range(K):
             if c + _AHEAD < K:
                 _prefetch_row(mean, child[c + _AHEAD])
@@ -538,7 +534,7 @@ def _dot(q, rows, r):
 
 
 @njit(fastmath=_FAST, cache=True)
-def _first_level(qb, sealed, cfg, count, mean, direction, ends, s):
+def _first_level(qb, sealed, cfg, prior, mean, direction, ends, s):
     """For the queries' own descents: the children of every start node (the same for each query
     of the block) into ``s.fchild`` / ``s.fbase`` / ``s.fstraddle`` / ``s.fends``, and every
     query's products with their vectors in one matrix product, ``s.fproj`` ``(QB, rows)``."""
@@ -549,7 +545,7 @@ def _first_level(qb, sealed, cfg, count, mean, direction, ends, s):
         node[j] = n + j
         score[j] = 0.0
     K = 2 * n
-    _children(node, score, n, start + 1, sealed, cfg, count, fchild, s.fbase, s.fstraddle)
+    _children(node, score, n, start + 1, sealed, cfg, prior, fchild, s.fbase, s.fstraddle)
     for c in range(K):
         _copy_row(mean, fchild[c], vbuf, c)
         _copy_row(direction, fchild[c], vbuf, K + c)
@@ -559,7 +555,7 @@ def _first_level(qb, sealed, cfg, count, mean, direction, ends, s):
 
 
 @njit(fastmath=_FAST, cache=True, inline="always")
-def _own_descend(j, qv, sealed, cfg, count, mean, direction, ends, s):
+def _own_descend(j, qv, sealed, cfg, prior, mean, direction, ends, s):
     """Query ``j``'s own descent (beam ``cfg[15]``, from the start level's children scored by
     :func:`_first_level`): the final nodes in ``s.node`` / ``s.score``; returns how many. One
     query's scores rank as its relative ones (:func:`.select.descend`), so none is normalised."""
@@ -580,7 +576,7 @@ def _own_descend(j, qv, sealed, cfg, count, mean, direction, ends, s):
         node[a], score[a] = fchild[topi[a]], topv[a]
     for level in range(start + 2, final + 1):
         K = 2 * n
-        _children(node, score, n, level, sealed, cfg, count, child, base, straddle)
+        _children(node, score, n, level, sealed, cfg, prior, child, base, straddle)
         for c in range(K):
             nd, x = child[c], base[c]
             if x > _NEG:
@@ -630,7 +626,7 @@ def _own_leaves(qv, lo_i, nown, nblock, sealed, M, keys, order, slot_valid, cfg,
 Scratch = namedtuple("Scratch", "qb qd node score child base straddle vbuf cs tmp topi topv pflat rank ok kb dims "
                                 "lscore xl xr xg cq cn lc dirty ex bits vb xv mnode mscore "
                                 "fproj fchild fbase fstraddle fends xo ro ci cv qmax qsum")
-Heads = namedtuple("Heads", "order slot_valid count mean direction ends gcnt gk gv group_of prek prev keys")
+Heads = namedtuple("Heads", "order slot_valid prior mean direction ends gcnt gk gv group_of prek prev keys")
 
 
 @njit(cache=True)
@@ -675,18 +671,18 @@ def _forward(qs, k, v, lo, cfg, sizes, hd, out, first, last):
             for d in range(qb.shape[1]):
                 qb[j, d] = qs[h, i0 + j, d] if j < nq else 0.0
         sealed = 0
-        count, mean, direction, ends = hd.count[h], hd.mean[h], hd.direction[h], hd.ends[h]
+        prior, mean, direction, ends = hd.prior[h], hd.mean[h], hd.direction[h], hd.ends[h]
         if causal:
             sealed = max(max(lo_first, 0) // chunk - 1, 0) * chunk
         if cfg[15]:
-            _first_level(qb, sealed, cfg, count, mean, direction, ends, s)
+            _first_level(qb, sealed, cfg, prior, mean, direction, ends, s)
         if causal:
             for j in range(QB):  # the QB queries ending at the block's first one
                 for d in range(qd.shape[1]):
                     qd[j, d] = qs[h, max(i0 - QB + 1 + j, 0), d]
-            nfin = _descend(qd, QB, sealed, cfg, count, mean, direction, ends, s)
+            nfin = _descend(qd, QB, sealed, cfg, prior, mean, direction, ends, s)
         else:
-            nfin = _descend(qb, nq, sealed, cfg, count, mean, direction, ends, s)
+            nfin = _descend(qb, nq, sealed, cfg, prior, mean, direction, ends, s)
         for a in range(nfin):
             mnode[a], mscore[a] = node[a], score[a]
         nleaf = _candidates(node, score, nfin, sealed, lo_last, M, hd.order[h], hd.slot_valid[h], cfg, s.rank, s.ok)
@@ -703,7 +699,7 @@ def _forward(qs, k, v, lo, cfg, sizes, hd, out, first, last):
             nown = 0
             qv, row, lo_i = qb[j], logits[j], lo[i0 + j]
             if cfg[15]:
-                n = _own_descend(j, qv, sealed, cfg, count, mean, direction, ends, s)
+                n = _own_descend(j, qv, sealed, cfg, prior, mean, direction, ends, s)
                 nown = _own_leaves(qv, lo_i, n, nfin, sealed, M, keys, order, slot_valid, cfg, s)
             for a in range(nd):
                 r = rank[dirty[a]]
@@ -766,6 +762,14 @@ def _summary_arrays(k: torch.Tensor, v: torch.Tensor, index: KeyIndex, keys: tor
                                                   prek, prev))
 
 
+def _priors(count: torch.Tensor, p: HybridPlan) -> torch.Tensor:
+    """Each node's score before its keys' logits (as in :func:`.select.descend`): ``log count``
+    (``mass``) or 0 (``mean``), -inf where it holds no key; computed once per call rather than a
+    logarithm per child scored."""
+    base = count.clamp_min(1).log() if p.scoring == "mass" else torch.zeros_like(count)
+    return base.masked_fill(count == 0, -math.inf)
+
+
 def _sizes(lo: list[int], N: int, M: int, p: HybridPlan, D: int) -> np.ndarray:
     """Scratch sizes for :func:`_scratch` from the window starts and the plan."""
     QB, bs = _options.QUERY_BLOCK, p.block_size
@@ -809,7 +813,8 @@ def hybrid_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: list[in
     kf, vf = k.reshape(BH, M, D).contiguous(), v.reshape(BH, M, Dv).contiguous()
     index, keys = build_index_compiled(k, p)
     heads = Heads(*(t.reshape(BH, *t.shape[2:]).contiguous().numpy() for t in
-                    (index.order, index.slot_valid, index.count, index.mean, index.direction, index.ends)),
+                    (index.order, index.slot_valid, _priors(index.count, p), index.mean, index.direction,
+                     index.ends)),
                   *_summary_arrays(kf, vf, index, keys, p), keys.reshape(BH, -1, D).numpy())
     gs = causal_group_size(M, p.num_summaries, p.block_size) if p.causal else 0
     cfg = np.array([p.window, p.block_size, p.num_selected, p.num_summaries, p.sinks, p.start_level, p.final_level,
