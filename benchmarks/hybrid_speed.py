@@ -59,12 +59,12 @@ KERNELS = {
 }
 
 
-def _inputs(n: int, grad: bool = False):
+def inputs(n: int, grad: bool = False):
     g = torch.Generator().manual_seed(n)
     return [torch.randn(1, 8, n, 64, generator=g).requires_grad_(grad) for _ in range(3)]
 
 
-def _seconds(fn) -> float:
+def seconds(fn) -> float:
     """Median of repeated calls for at least 0.2 s (one call when it takes longer)."""
     times: list[float] = []
     while not times or (sum(times) < 0.2 and len(times) < 50):
@@ -75,7 +75,7 @@ def _seconds(fn) -> float:
 
 
 def _call(name: str, n: int, causal: bool, backward: bool):
-    q, k, v = _inputs(n, backward)
+    q, k, v = inputs(n, backward)
     w = torch.randn(1, 8, n, 64)
     if not backward:
         def run():
@@ -100,7 +100,7 @@ def measure(points: list[tuple], rounds: int, busy: bool) -> dict[tuple, dict[st
         for state in states:
             with Neighbour() if state == "busy" else contextlib.nullcontext():
                 for pt, fn in calls.items():
-                    times[pt][state].append(_seconds(fn))
+                    times[pt][state].append(seconds(fn))
         print(f"  round {r + 1}/{rounds} done", flush=True)
     return {pt: {s: statistics.median(ts) for s, ts in t.items()} for pt, t in times.items()}
 
