@@ -87,6 +87,7 @@ def main() -> None:
                       f"{__doc__.split(chr(10) + chr(10))[2].strip()} subquad at {source_state(ROOT)}; "
                       f"{datetime.date.today()}. Command: `{command}`. {args.note}", "",
                       md_table(["N", "call", f"{args.base} (s)", "this (s)", "this / base"], rows), ""])
+    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kernel_ab.md").write_text(text)
     print(text)
 
