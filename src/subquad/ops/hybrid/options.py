@@ -30,7 +30,10 @@ class HybridOptions:
     ``"contiguous"`` (by position); ``scoring``: ``"mass"`` or ``"mean"``;
     ``candidates``: leaves each block of queries scores exactly (all of them when there are at
     most this many), found by a beam descent of the key tree keeping ``beam`` nodes per level
-    (None: the power of two at or above ``8 num_selected``, at least 128, and a quarter of it);
+    (None: the power of two at or above ``8 num_selected``, at least 128, and a quarter of it;
+    fewer trade error for speed: at 16384 keys 64 and 32 candidates ran 1.2x and 1.45x faster than
+    128, while SmolLM2's mean error at 8192 tokens went 0.169 -> 0.182 -> 0.200,
+    ``benchmarks/results/hybrid_candidates.md``);
     ``chunk_size``: keys per sealed chunk in causal mode (a power of two); ``sinks``: leading
     leaves (the first ``sinks * block_size`` keys, where pretrained models park attention) that
     are always among the candidates; ``tree_iterations``: power-iteration steps per node;
