@@ -46,7 +46,7 @@ from . import options as _options
 from .index import KeyIndex
 from .kernel_tree import build_index_compiled, parallel, reused
 from .options import HybridPlan
-from .select import sealed_ends
+from .select import node_priors, sealed_ends
 from .summaries import causal_group_size
 
 __all__ = ["hybrid_kernel"]
@@ -160,9 +160,10 @@ def _top_many(x, n, k, idx, val, ci, cv):
 
 @njit(fastmath=_FAST, cache=True)
 def _children(node, score, n, level, sealed, cfg, prior, child, base, straddle):
-    """The ``2 n`` children of the kept nodes, their ``prior`` (:func:`_priors`; -inf where dead
-    or, causal, outside the sealed chunks) and whether each straddles the sealed end (a node split
-    by position that must be opened)."""
+    """The ``2 n`` children of the kept nodes, their ``prior`` (:func:`.select.node_priors`, once
+    per call rather than a logarithm per child; -inf where dead or, causal, outside the sealed
+    chunks) and whether each straddles the sealed end (a node split by position that must be
+    opened)."""
     slots, chunk_level, chunk, causal = cfg[14], cfg[8], cfg[9], cfg[11]
     size = slots >> level
     for c in range(2 * n):
@@ -762,14 +763,6 @@ def _summary_arrays(k: torch.Tensor, v: torch.Tensor, index: KeyIndex, keys: tor
                                                   prek, prev))
 
 
-def _priors(count: torch.Tensor, p: HybridPlan) -> torch.Tensor:
-    """Each node's score before its keys' logits (as in :func:`.select.descend`): ``log count``
-    (``mass``) or 0 (``mean``), -inf where it holds no key; computed once per call rather than a
-    logarithm per child scored."""
-    base = count.clamp_min(1).log() if p.scoring == "mass" else torch.zeros_like(count)
-    return base.masked_fill(count == 0, -math.inf)
-
-
 def _sizes(lo: list[int], N: int, M: int, p: HybridPlan, D: int) -> np.ndarray:
     """Scratch sizes for :func:`_scratch` from the window starts and the plan."""
     QB, bs = _options.QUERY_BLOCK, p.block_size
@@ -812,9 +805,9 @@ def hybrid_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: list[in
     BH = B * H
     kf, vf = k.reshape(BH, M, D).contiguous(), v.reshape(BH, M, Dv).contiguous()
     index, keys = build_index_compiled(k, p)
+    prior = node_priors(index.count, p.scoring)
     heads = Heads(*(t.reshape(BH, *t.shape[2:]).contiguous().numpy() for t in
-                    (index.order, index.slot_valid, _priors(index.count, p), index.mean, index.direction,
-                     index.ends)),
+                    (index.order, index.slot_valid, prior, index.mean, index.direction, index.ends)),
                   *_summary_arrays(kf, vf, index, keys, p), keys.reshape(BH, -1, D).numpy())
     gs = causal_group_size(M, p.num_summaries, p.block_size) if p.causal else 0
     cfg = np.array([p.window, p.block_size, p.num_selected, p.num_summaries, p.sinks, p.start_level, p.final_level,

@@ -23,7 +23,7 @@ from .index import KeyIndex, largest, rows
 from . import options as _options
 from .options import HybridPlan
 
-__all__ = ["sealed_ends", "descend", "node_vectors", "leaf_scores"]
+__all__ = ["sealed_ends", "descend", "node_vectors", "node_priors", "leaf_scores"]
 
 
 def sealed_ends(lo_first: int, p: HybridPlan) -> int:
@@ -91,6 +91,13 @@ def node_vectors(index: KeyIndex, scoring: str, scale: float) -> Tensor:
     return torch.cat([index.mean * scale, index.direction * scale], -1)
 
 
+def node_priors(count: Tensor, scoring: str) -> Tensor:
+    """A node's score before its keys' logits, from its key ``count``: ``log count`` (``"mass"``)
+    or 0 (``"mean"``), -inf where it holds no key."""
+    base = count.clamp_min(1).log() if scoring == "mass" else torch.zeros_like(count)
+    return base.masked_fill(count == 0, -math.inf)
+
+
 def _block_scores(q: Tensor, index: KeyIndex, vecs: Tensor, node: Tensor, usable: Tensor, p: HybridPlan) -> Tensor:
     """The best score any query of each block gives each of its nodes ``node`` ``(B, H, nb, K)``,
     each query's scores taken relative to their log-sum-exp over the nodes (so that no query
@@ -101,8 +108,7 @@ def _block_scores(q: Tensor, index: KeyIndex, vecs: Tensor, node: Tensor, usable
     K = node.shape[-1]
     r = vecs.shape[-1] // D
     count = index.count.gather(2, node.flatten(2)).view(node.shape)
-    base = count.clamp_min(1).log() if p.scoring == "mass" else torch.zeros_like(count)
-    base = base.masked_fill(~usable | (count == 0), -math.inf).unsqueeze(-2)
+    base = node_priors(count, p.scoring).masked_fill(~usable, -math.inf).unsqueeze(-2)
     ends = rows(index.ends, node).unsqueeze(-3)  # (B, H, nb, 1, K, 2)
     step = max(1, _options.CHUNK_BYTES // (B * H * QB * K * r * q.element_size()))
     out = []
