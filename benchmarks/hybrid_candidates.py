@@ -30,6 +30,7 @@ import torch.nn.functional as F
 import subquad
 from hybrid_speed import blocked, inputs, seconds
 from subquad.compare.common import machine_info, md_table, source_state
+from subquad.ops.hybrid.options import HybridOptions, candidate_count
 
 
 def _kernels(n: int, candidates: list[int], blocked_max: int) -> dict[str, object]:
@@ -68,7 +69,7 @@ def _errors(path: Path | None) -> dict[tuple[int, int], float]:
     for n, res in json.loads(path.read_text())["results"].items():
         for row, r in res["rows"].items():
             if row == "hybrid (defaults)":
-                found[int(n), 128] = statistics.mean(r["per_layer"])
+                found[int(n), candidate_count(HybridOptions())] = statistics.mean(r["per_layer"])
             elif row.startswith("hybrid (candidates="):
                 found[int(n), int(row[len("hybrid (candidates="):-1])] = statistics.mean(r["per_layer"])
     return found
