@@ -23,6 +23,7 @@ PACKAGE = SRC / "subquad"
 # layers) ranks with the layers above ``layers``: ops and layers may not import it.
 RANK = {
     "checks": 0,
+    "_lazy": 0,  # the lazy public names of the subquad, train and hf packages (standard library only)
     "cli_base": 0,  # the -o NAME=VALUE grammar and command plumbing every command module shares
     "registry": 1,
     "ops": 2,

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import argparse
 
-from . import get_method, list_methods
+__all__ = ["add_parser", "run_methods", "COMMAND_HELP"]
 
-__all__ = ["add_parser", "run_methods"]
+#: the command of this module and its one-line help (``subquad --help`` reads it without the parser)
+COMMAND_HELP = {"methods": "list the registered methods, or one method's options"}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """``methods [NAME]``."""
-    p = subparsers.add_parser("methods", help="list the registered methods, or one method's options",
+    p = subparsers.add_parser("methods", help=COMMAND_HELP["methods"],
                               description="The registered attention methods and mixers: what each supports, and "
                               "with NAME its summary and options (the -o NAME=VALUE of the other commands).")
     p.add_argument("name", nargs="?", default=None, metavar="NAME", help="a method to describe")
@@ -29,7 +30,10 @@ def _yes(flag: bool) -> str:
 
 
 def run_methods(args: argparse.Namespace) -> int:
-    """Print the table of methods, or NAME's summary and options; an unknown NAME is a usage error."""
+    """Print the table of methods, or NAME's summary and options; an unknown NAME is a usage error.
+    Imports the registry and the ops (torch) only, not the other commands' packages."""
+    from .registry import get_method, list_methods
+
     if args.name is None:
         rows = [("name", "kind", "cost", "causal", "cross", "padding")]
         rows += [(m.name, m.kind, m.complexity, _yes(m.causal), _yes(m.cross_attention), _yes(m.key_padding))

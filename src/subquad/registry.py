@@ -5,7 +5,10 @@ entry declares everything about the method: its op and options, its capabilities
 :class:`subquad.MultiheadAttention` builds for it, its FLOP formula, the peer package it is compared
 with and the options the generic tests run it under. Things above ``ops`` in the package (layer
 cores, peer adapters) are named by import path (``"package.module:attr"``) and imported only when
-used, so this module imports nothing of subquad but :mod:`subquad.checks`.
+used, so this module imports nothing of subquad but :mod:`subquad.checks`. The built-in methods
+register when :mod:`subquad.ops` is imported, which the registry does by name the first time it is
+asked for a method it lacks, listed or added to (so ``import subquad`` stays cheap: the ``subquad``
+command answers ``--help`` without importing torch).
 
 The decorator returns the *checked* op: it validates q/k/v and the mask, refuses combinations the
 method does not support (causal, cross-attention), builds the method's options dataclass (whose
@@ -149,10 +152,24 @@ class MethodInfo:
 
 
 _REGISTRY: dict[str, MethodInfo] = {}
+#: the package whose import registers the built-in methods (named, not imported: it is above this module)
+BUILT_IN = "subquad.ops"
+_built_in_loaded = False
+
+
+def _load_built_in() -> None:
+    """Import :data:`BUILT_IN` once, so the built-in methods are registered before any lookup,
+    listing or new entry (a new entry after them, and a clash with one of them refused). During
+    that import the package is already in ``sys.modules``, so its own entries do not recurse."""
+    global _built_in_loaded
+    if not _built_in_loaded:
+        _built_in_loaded = True
+        importlib.import_module(BUILT_IN)
 
 
 def _check_new(name: str, complexity: str, **paths: str | None) -> None:
     """Refuse a bad name, a taken name, an unknown complexity or a malformed import path."""
+    _load_built_in()
     if not isinstance(name, str) or not name:
         raise ValueError(f"a method name must be a non-empty str, got {name!r}")
     if name in _REGISTRY:
@@ -321,6 +338,8 @@ def resolve_path(path: str) -> Any:
 
 def get_method(name: str) -> MethodInfo:
     """The registry entry for ``name``; ValueError listing the known methods otherwise."""
+    if isinstance(name, str) and name not in _REGISTRY:
+        _load_built_in()
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(f"unknown method {name!r}; known methods are {sorted(_REGISTRY)}")
     return _REGISTRY[name]
@@ -328,6 +347,7 @@ def get_method(name: str) -> MethodInfo:
 
 def list_methods() -> list[MethodInfo]:
     """Every registered method with its capabilities, in registration order."""
+    _load_built_in()
     return list(_REGISTRY.values())
 
 

@@ -26,21 +26,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
-import subquad
-
-from .common import exact_method
-from .workload import DTYPES
 from ..cli_base import DefaultsFormatter, OptionError, add_option_argument, multi_method_options
 
-__all__ = ["add_parser", "run_compare"]
+__all__ = ["add_parser", "run_compare", "COMMAND_HELP", "DTYPE_NAMES"]
+
+#: the command of this module and its one-line help (``subquad --help`` reads it without the parser)
+COMMAND_HELP = {"compare": "measure every method against exact attention and recommend one"}
+#: the names of :data:`subquad.compare.workload.DTYPES`, for ``--dtype`` without importing torch
+DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    """``compare``: its workload, methods, recommendation, inputs and measurement options."""
+    """``compare``: its workload, methods, recommendation, inputs and measurement options. Imports
+    nothing heavy: torch and the registry load when the command runs."""
     p = subparsers.add_parser(
-        "compare", help="measure every method against exact attention and recommend one",
+        "compare", help=COMMAND_HELP["compare"],
         description="Measure every registered method against exact attention on this machine: forward and "
         "forward+backward time, peak memory, relative error (float64 reference; by default on the Q, K, V of "
         "a real model, see --error-inputs), speed-up and achieved FLOP rate; print a leaderboard and "
@@ -87,7 +87,7 @@ def _add_workload(shape) -> None:
     shape.add_argument("--heads", type=int, default=8, help="heads H")
     shape.add_argument("--dim", type=int, default=64, help="head dimension D")
     shape.add_argument("--device", default="cpu", help="cpu, cuda or cuda:K")
-    shape.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="input dtype")
+    shape.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="input dtype")
     shape.add_argument("--seed", type=int, default=0, help="seed of the inputs and of stochastic methods")
 
 
@@ -119,6 +119,8 @@ def _methods(p: argparse.ArgumentParser, args: argparse.Namespace, infos: dict[s
         unknown = [m for m in selected if m not in infos]
         if unknown:
             p.error(f"unknown method(s) {unknown}; known methods are {runnable}")
+    from .common import exact_method
+
     exact = exact_method()  # the baseline always runs
     return selected, selected if exact in selected else [exact, *selected]
 
@@ -164,6 +166,8 @@ def _check_out(p: argparse.ArgumentParser, out: Path) -> None:
 
 
 def _check_device(p: argparse.ArgumentParser, name: str) -> None:
+    import torch
+
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
@@ -250,14 +254,15 @@ def _error_inputs(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
 
 def run_compare(args: argparse.Namespace) -> int:
     """Check the arguments (usage errors exit 2), measure, print, and write ``--out``."""
-    from .compare import Config
-
     p = args.subparser
-    infos = {m.name: m for m in subquad.list_methods()}
     if args.n is None:
         args.n = [2048, 4096, 8192] if args.source == "smollm" else [1024, 4096, 16384]
+    _check_numbers(p, args)  # before the imports below, which take seconds
+    from ..registry import list_methods
+    from .compare import Config
+
+    infos = {m.name: m for m in list_methods()}
     selected, methods = _methods(p, args, infos)
-    _check_numbers(p, args)
     _check_device(p, args.device)
     options = _options(p, args.option, infos, selected, methods)
     text = _source_text(p, args)

@@ -27,12 +27,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ..tasks import get_task, list_tasks
 from ..cli_base import (add_option_argument, command_parser, deprecated, run_command, single_method_options,
                         split_option)
 
-__all__ = ["add_parser", "add_data_parser", "add_train_parser", "add_evaluate_parser", "method_options",
-           "parse_method_options", "build_parser", "main"]
+__all__ = ["COMMAND_HELP", "add_parser", "add_data_parser", "add_train_parser", "add_evaluate_parser",
+           "method_options", "parse_method_options", "build_parser", "main"]
 
 PROG = "python -m subquad.train.cli"
 
@@ -88,8 +87,18 @@ _COMMANDS = {
                  "task options, and print one JSON object as the last line of stdout (accuracy as a fraction, "
                  "loss, n, method, step, split, checkpoint)."),
 }
-def _task_parsers(subparsers, command: str, tasks: tuple[str, ...], **kwargs: Any) -> list[argparse.ArgumentParser]:
-    """``COMMAND TASK``: the command's parser and one sub-parser per task, which it returns."""
+#: the commands of this module and their one-line help (``subquad --help`` reads it without the parsers,
+#: which import the tasks and so torch)
+COMMAND_HELP = {command: does for command, (does, _) in _COMMANDS.items()}
+
+
+def _task_parsers(subparsers, command: str, tasks: tuple[str, ...] | None = None,
+                  **kwargs: Any) -> list[argparse.ArgumentParser]:
+    """``COMMAND TASK``: the command's parser and one sub-parser per task (default: every
+    registered task), which it returns."""
+    from ..tasks import get_task, list_tasks
+
+    tasks = tuple(list_tasks()) if tasks is None else tasks
     does, description = _COMMANDS[command]
     parser = subparsers.add_parser(command, help=f"{does} ({', '.join(tasks)})",
                                    description=f"{description}")
@@ -171,10 +180,11 @@ def run_data_listops(args: argparse.Namespace) -> int:
 
 def add_train_parser(subparsers) -> list[argparse.ArgumentParser]:
     """``train TASK``: train the encoder with a method (works under ``torchrun``)."""
+    from ..tasks import get_task
     from ..train.config import PRESETS
 
     parsers = _task_parsers(
-        subparsers, "train", tuple(list_tasks()), epilog="Method options: -o NAME=VALUE or -o METHOD.NAME=VALUE "
+        subparsers, "train", epilog="Method options: -o NAME=VALUE or -o METHOD.NAME=VALUE "
         "(repeatable), e.g. -o num_landmarks=64 -o conv_kernel_size=35. Task options: -t NAME=VALUE.")
     for p in parsers:
         task = p.get_default("task")
@@ -319,7 +329,7 @@ def _check_model(cfg) -> None:
 
 def add_evaluate_parser(subparsers) -> list[argparse.ArgumentParser]:
     """``evaluate TASK``: accuracy of a saved model on a split."""
-    parsers = _task_parsers(subparsers, "evaluate", tuple(list_tasks()))
+    parsers = _task_parsers(subparsers, "evaluate")
     for p in parsers:
         task = p.get_default("task")
         p.add_argument("--checkpoint", required=True, help="model file of a run")
