@@ -9,7 +9,9 @@ pooling averages real tokens only.
 :func:`build_mixer` is the one place that turns a method name and its options into a module:
 attention methods (``kind == "attention"``) become :class:`subquad.MultiheadAttention`
 self-attention, token mixers (``kind == "mixer"``, e.g. Hamburger) are built by their registered
-module class. A method registered later plugs in with no change here.
+module class. A method registered later plugs in with no change here. :data:`NO_MIXING`
+(``"none"``) is no method but the absence of one: its mixer is the identity, the baseline of a
+model without context.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..layers.attention import MultiheadAttention
-from ..registry import get_method
+from ..registry import MethodInfo, get_method
 
 __all__ = [
+    "NO_MIXING",
     "build_mixer",
+    "check_method",
     "supports_attention_dropout",
+    "NoMixing",
     "AttentionMixer",
     "EncoderBlock",
     "Encoder",
@@ -36,6 +41,22 @@ __all__ = [
 
 POSITIONS = ("learned", "sinusoidal")
 POOLINGS = ("mean", "cls", "none")
+#: the method name of no token mixing: not in the registry, every model builds it as the identity
+NO_MIXING = "none"
+
+
+def check_method(method: str) -> MethodInfo | None:
+    """The registry entry of ``method``, None for :data:`NO_MIXING`; ValueError listing the known
+    methods for any other name."""
+    return None if method == NO_MIXING else get_method(method)
+
+
+class NoMixing(nn.Module):
+    """The mixer of :data:`NO_MIXING`: ``forward(x, key_padding_mask=None)`` returns ``x`` (no
+    position sees another), no parameters, no options."""
+
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        return x
 
 
 class AttentionMixer(nn.Module):
@@ -58,9 +79,15 @@ def build_mixer(method: str, dim: int, heads: int, *, attention_dropout: float =
     core's module options such as Nyström's ``conv_kernel_size``). ``attention_dropout`` is
     dropout on attention weights; only a method that forms the weights (``softmax``) has it,
     elsewhere a non-zero value is a ValueError (see :func:`supports_attention_dropout`).
-    Unknown methods or options raise ValueError naming what is allowed.
+    Unknown methods or options raise ValueError naming what is allowed. :data:`NO_MIXING` builds
+    :class:`NoMixing` (no options, no attention dropout).
     """
-    info = get_method(method)
+    info = check_method(method)
+    if info is None:
+        if options or attention_dropout:
+            raise ValueError(f"method {method!r} (no token mixing) has no options and no attention dropout, got "
+                             f"{sorted(options) or f'attention_dropout={attention_dropout}'}")
+        return NoMixing()
     factory = {"device": device, "dtype": dtype}
     if info.kind == "attention":
         if attention_dropout and not supports_attention_dropout(method):
@@ -82,7 +109,8 @@ def build_mixer(method: str, dim: int, heads: int, *, attention_dropout: float =
 
 def supports_attention_dropout(method: str) -> bool:
     """Whether ``method`` has dropout on attention weights (only exact ``softmax``)."""
-    return get_method(method).exact
+    info = check_method(method)
+    return info is not None and info.exact
 
 
 def sinusoidal_positions(length: int, dim: int) -> Tensor:
@@ -160,7 +188,7 @@ class Encoder(nn.Module):
         vocab_size: token ids are ``0 .. vocab_size - 1`` (the padding id is the caller's; the
             mask says which positions are padding).
         num_classes: size of the output.
-        method: a name from :func:`subquad.list_methods` (attention or mixer).
+        method: a name from :func:`subquad.list_methods` (attention or mixer), or :data:`NO_MIXING`.
         method_options: that method's options (see :func:`build_mixer`).
         dim, depth, heads, ffn_dim: model width, number of blocks, heads, FFN width.
         max_len: longest input (size of the learned position table).

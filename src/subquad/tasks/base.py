@@ -10,15 +10,25 @@ key_padding_mask (B, L) bool, labels)``; ``labels`` is ``(B,)`` for a task with 
 sequence (``per_token = False``: the model pools its states) and ``(B, L)`` with
 :data:`IGNORE` where a position has no label for ``per_token = True`` (the model's head reads every
 position).
+
+A task also says which model family the trainer builds for it (``model``: ``"encoder"`` for token
+sequences, ``"segmenter"`` for images with labels per pixel) and may report scores beyond loss and
+accuracy: ``scores`` names them, :meth:`Task.score_counts` turns one evaluated batch into additive
+counts (summed over batches and processes) and :meth:`Task.score_values` turns the sums into the
+scores (a segmentation task's confusion matrix and mIoU); ``best_by`` names the validation score
+that picks ``best.pt``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["IGNORE", "Task", "TaskData", "register_task", "get_task", "list_tasks", "make_task"]
 
@@ -47,12 +57,16 @@ class Task:
     trainer's default preset for it; its docstring is the CLI's help),
     ``vocab_size`` and ``num_classes`` (properties or fields), ``max_length`` (longest input),
     ``load(data_dir, eval_samples) -> TaskData`` and ``data_hint(data_dir) -> str`` (how to create
-    missing data; empty when the task generates its data in memory).
+    missing data; empty when the task generates its data in memory); ``model``, ``scores``,
+    ``best_by``, :meth:`score_counts` and :meth:`score_values` as the module docstring says.
     """
 
     name: ClassVar[str] = ""
     per_token: ClassVar[bool] = False
     preset: ClassVar[str] = "nystromformer"  # the trainer's preset (subquad.train.config.PRESETS) by default
+    model: ClassVar[str] = "encoder"  # the model family (subquad.train.model_file.MODEL_FAMILIES)
+    scores: ClassVar[tuple[str, ...]] = ()  # scores beyond loss and accuracy, as score_values names them
+    best_by: ClassVar[str] = "accuracy"  # the validation score (accuracy or one of scores) that picks best.pt
 
     @property
     def vocab_size(self) -> int:
@@ -72,6 +86,16 @@ class Task:
 
     def data_hint(self, data_dir: str) -> str:
         return ""
+
+    def score_counts(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        """Additive counts of one evaluated batch (``logits (K, classes)`` of the ``K`` labelled
+        positions or samples, ``labels (K,)``), summed over the batches and processes of an
+        evaluation and handed to :meth:`score_values`; None for a task without ``scores``."""
+        return None
+
+    def score_values(self, counts: torch.Tensor) -> dict[str, float]:
+        """The ``scores`` of an evaluation from its summed :meth:`score_counts`."""
+        return {}
 
     def options(self) -> dict[str, Any]:
         """The task's options as a plain dict (what a run's config records)."""

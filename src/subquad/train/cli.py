@@ -85,7 +85,7 @@ _COMMANDS = {
                  "Rebuild the model from the config saved in a model file (model.pt, best.pt or checkpoint.pt of "
                  "a `train` run; read with weights_only), evaluate it on a split with the run's input pipeline and "
                  "task options, and print one JSON object as the last line of stdout (accuracy as a fraction, "
-                 "loss, n, method, step, split, checkpoint)."),
+                 "loss, n, the task's own scores such as a segmentation's miou, method, step, split, checkpoint)."),
 }
 #: the commands of this module and their one-line help (``subquad --help`` reads it without the parsers,
 #: which import the tasks and so torch)
@@ -188,7 +188,8 @@ def add_train_parser(subparsers) -> list[argparse.ArgumentParser]:
         "(repeatable), e.g. -o num_landmarks=64 -o conv_kernel_size=35. Task options: -t NAME=VALUE.")
     for p in parsers:
         task = p.get_default("task")
-        p.add_argument("--method", required=True, help="a registered method (subquad.list_methods())")
+        p.add_argument("--method", required=True,
+                       help="a registered method (subquad.list_methods()), or none: no token mixing")
         add_option_argument(p, "num_landmarks=64")
         p.add_argument("-t", "--task-option", action="append", default=[], metavar="NAME=VALUE",
                        help="a task option (repeatable), e.g. -t num_pairs=32")
@@ -261,10 +262,10 @@ def _add_run_arguments(r) -> None:
 def config_from_args(args: argparse.Namespace):
     """The :class:`TrainConfig` of parsed ``train TASK`` arguments."""
     from ..cli_base import parse_value
-    from ..registry import get_method
+    from ..models.encoder import check_method
     from ..train.config import TrainConfig
 
-    get_method(args.method)
+    check_method(args.method)
     options = method_options(args)
     overrides = {
         "layers": args.layers, "dim": args.dim, "heads": args.heads, "ffn_dim": args.ffn_dim,
@@ -349,7 +350,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
 
     from ..tasks import make_task
     from ..train.model_file import load_model
-    from ..train.trainer import evaluate_model
+    from ..train.trainer import evaluate_scores
 
     try:
         if args.threads is not None:
@@ -368,11 +369,11 @@ def run_evaluate(args: argparse.Namespace) -> int:
                 import tqdm  # noqa: F401
             except ImportError:
                 progress = False
-        loss, accuracy, n = evaluate_model(model, cfg, data, progress=progress)
+        scores = evaluate_scores(model, cfg, data, progress=progress)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError, KeyError) as e:
         print(f"evaluate {args.task}: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({"accuracy": accuracy, "loss": loss, "n": n, "method": cfg.method,
+    print(json.dumps({**scores, "method": cfg.method,
                       "method_options": cfg.method_options, "step": int(saved.get("step", -1)),
                       "split": args.split, "checkpoint": str(args.checkpoint)}))
     return 0

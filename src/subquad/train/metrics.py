@@ -22,10 +22,13 @@ METRIC_COLUMNS = ("step", "split", "loss", "accuracy", "samples", "lr", "samples
 
 
 class MetricsWriter:
-    """``metrics.csv`` (one row per log / evaluation) and, if installed, TensorBoard."""
+    """``metrics.csv`` (one row per log / evaluation) and, if installed, TensorBoard. ``scores``:
+    the task's own scores (``Task.scores``), columns after :data:`METRIC_COLUMNS`."""
 
-    def __init__(self, out_dir: Path, *, resume_step: int | None, tensorboard: bool | None):
+    def __init__(self, out_dir: Path, *, resume_step: int | None, tensorboard: bool | None,
+                 scores: tuple[str, ...] = ()):
         self.path = out_dir / METRICS
+        self.columns = (*METRIC_COLUMNS, *scores)
         rows = []
         if resume_step is not None and self.path.is_file():
             with open(self.path, newline="") as f:
@@ -33,12 +36,12 @@ class MetricsWriter:
                         if int(r["step"]) <= resume_step and r["split"] in ("train", "val")]
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "w", newline="") as f:  # keep only what the checkpoint has seen
-            writer = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
+            writer = csv.DictWriter(f, fieldnames=self.columns)
             writer.writeheader()
             writer.writerows(rows)
         os.replace(tmp, self.path)
         self.file = open(self.path, "a", newline="")
-        self.writer = csv.DictWriter(self.file, fieldnames=METRIC_COLUMNS)
+        self.writer = csv.DictWriter(self.file, fieldnames=self.columns)
         self.tb = None
         if tensorboard is not False:
             try:
@@ -52,10 +55,10 @@ class MetricsWriter:
                 self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=purge)
 
     def write(self, row: dict[str, Any]) -> None:
-        self.writer.writerow({k: row.get(k, "") for k in METRIC_COLUMNS})
+        self.writer.writerow({k: row.get(k, "") for k in self.columns})
         self.file.flush()
         if self.tb is not None:
-            for key in ("loss", "accuracy", "lr", "samples_per_s"):
+            for key in ("loss", "accuracy", "lr", "samples_per_s", *self.columns[len(METRIC_COLUMNS):]):
                 if row.get(key) not in (None, ""):
                     self.tb.add_scalar(f"{row['split']}/{key}", float(row[key]), int(row["step"]))
 

@@ -7,7 +7,8 @@ validation every ``eval_every`` steps, test accuracy at the end in the same proc
 model and for the best-validation model), metrics to ``metrics.csv`` (and TensorBoard when
 installed, :mod:`subquad.train.metrics`), checkpoints every ``checkpoint_every`` steps, and
 ``results.json``. Accuracy counts labels: one per sequence (ListOps) or one per labelled position
-(MQAR's queries).
+(MQAR's queries, the pixels of a segmentation). A task's own scores (``Task.scores``: the mIoU of a
+segmentation) are reported beside it, and ``Task.best_by`` picks the best-validation model.
 
 Resuming (``resume=True``) restores model, optimizer, scheduler, step, the RNG states of every
 process and the data position from ``OUT/checkpoint.pt``, so a run that was killed and resumed
@@ -43,7 +44,7 @@ from .metrics import MetricsWriter, Progress, loss_and_correct
 from .model_file import BEST_MODEL, FINAL_MODEL, build_model, read_model_file, save_model
 from .sampler import BucketBatchSampler, ShardedBatchSampler
 
-__all__ = ["train", "evaluate_model", "eval_batches", "CHECKPOINT", "RESULTS"]
+__all__ = ["train", "evaluate_model", "evaluate_scores", "eval_batches", "CHECKPOINT", "RESULTS"]
 
 CHECKPOINT = "checkpoint.pt"
 RESULTS = "results.json"
@@ -69,13 +70,16 @@ def _seed_all(seed: int) -> None:
 
 @torch.no_grad()
 def _evaluate(model: torch.nn.Module, data, indices: np.ndarray, batch_size: int,
-              cfg: TrainConfig, ctx: DistributedContext, progress: bool = False) -> tuple[float, float, int]:
-    """Mean loss, accuracy and count over ``indices``, sharded over processes. Runs in eval
-    mode under a forked, fixed RNG, so it is reproducible and leaves the training RNG as is."""
+              cfg: TrainConfig, ctx: DistributedContext, progress: bool = False) -> dict[str, Any]:
+    """Mean ``loss``, ``accuracy`` and count ``n`` over ``indices``, and the task's scores, sharded
+    over processes. Runs in eval mode under a forked, fixed RNG, so it is reproducible and leaves
+    the training RNG as is."""
+    task = make_task(cfg.task, cfg.task_options)
     was_training = model.training
     model.eval()
     shard = indices[ctx.rank::ctx.world_size]
     loss_sum = correct = count = 0.0
+    counts = _empty_counts(task)
     devices = [ctx.device.index] if ctx.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(cfg.seed + 12345)
@@ -91,10 +95,20 @@ def _evaluate(model: torch.nn.Module, data, indices: np.ndarray, batch_size: int
             loss_sum += loss.item()
             correct += right.item()
             count += labelled.item()
-    loss_sum, correct, count = ctx.all_reduce_sum([loss_sum, correct, float(count)])
+            if counts is not None:
+                counts = counts + task.score_counts(logits, labels)
+    sums = ctx.all_reduce_sum([loss_sum, correct, float(count), *([] if counts is None else counts.tolist())])
     model.train(was_training)
-    count = int(round(count))
-    return loss_sum / max(count, 1), correct / max(count, 1), count
+    loss_sum, correct, count = sums[0], sums[1], int(round(sums[2]))
+    scores = {} if counts is None else task.score_values(torch.tensor(sums[3:], dtype=torch.float64))
+    return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1), "n": count, **scores}
+
+
+def _empty_counts(task) -> torch.Tensor | None:
+    """The task's score counts of no labels (zeros), None for a task without scores."""
+    if not task.scores:
+        return None
+    return task.score_counts(torch.zeros(0, task.num_classes), torch.zeros(0, dtype=torch.int64))
 
 
 def _forward(model: torch.nn.Module, tokens: torch.Tensor, pad: torch.Tensor, labels: torch.Tensor
@@ -116,6 +130,14 @@ def evaluate_model(model: torch.nn.Module, cfg: TrainConfig, data,
                    indices: np.ndarray | None = None, *, progress: bool = False) -> tuple[float, float, int]:
     """Mean loss, accuracy and count of ``model`` on ``data`` (all of it by default) with the
     run's input pipeline, batch size and autocast: the numbers the trainer reports."""
+    out = evaluate_scores(model, cfg, data, indices, progress=progress)
+    return out["loss"], out["accuracy"], out["n"]
+
+
+def evaluate_scores(model: torch.nn.Module, cfg: TrainConfig, data,
+                    indices: np.ndarray | None = None, *, progress: bool = False) -> dict[str, Any]:
+    """:func:`evaluate_model` as a dict, ``loss``, ``accuracy`` and ``n``, with the task's own
+    scores (``Task.scores``, e.g. ``miou``) beside them."""
     indices = np.arange(len(data)) if indices is None else np.asarray(indices)
     ctx = DistributedContext(device=next(model.parameters()).device)
     return _evaluate(model, data, indices, cfg.batch_size, cfg, ctx, progress=progress)
@@ -218,7 +240,7 @@ class _Run:
         if ctx.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             self.metrics = MetricsWriter(self.out_dir, resume_step=self.step if resume_state is not None else None,
-                                          tensorboard=cfg.tensorboard)
+                                          tensorboard=cfg.tensorboard, scores=self.task.scores)
         self._announce()
         # progress=False drops the bar, not the lines: a line every log_every steps and one per evaluation
         self.progress = Progress(ctx.is_main, cfg.progress, cfg.steps, self.step)
@@ -352,17 +374,23 @@ class _Run:
             self.window = dict.fromkeys(w, 0.0)
 
     def validate(self) -> None:
-        """Validation accuracy; a new best is kept in memory and written to ``best.pt``."""
-        v_loss, v_acc, v_n = _evaluate(self.model, self.data.val, self.data.val_idx, self.local_batch, self.cfg,
-                                       self.ctx)
-        if v_acc > self.best["accuracy"]:
-            self.best = {"accuracy": v_acc, "step": self.step}
+        """Validation accuracy and scores; a new best (by the task's ``best_by``) is kept in memory
+        and written to ``best.pt``."""
+        r = _evaluate(self.model, self.data.val, self.data.val_idx, self.local_batch, self.cfg, self.ctx)
+        by = self.task.best_by
+        if r[by] > self.best.get("score", self.best["accuracy"]):
+            self.best = {"accuracy": r["accuracy"], "score": r[by], "step": self.step}
             self.best_state = {k: v.detach().clone().cpu() for k, v in self.model.state_dict().items()}
             if self.ctx.is_main:
-                save_model(self.out_dir / BEST_MODEL, self.cfg, self.best_state, self.step, val_accuracy=v_acc)
-        self.log_row("val", v_loss, v_acc, v_n)
-        self.progress.write(f"step {self.step}: val loss {v_loss:.4f}, accuracy {100 * v_acc:.2f}% "
-                            f"(best {100 * self.best['accuracy']:.2f}% at step {self.best['step']})")
+                save_model(self.out_dir / BEST_MODEL, self.cfg, self.best_state, self.step,
+                           val_accuracy=r["accuracy"], **{f"val_{name}": r[name] for name in self.task.scores})
+        scores = {name: r[name] for name in self.task.scores}
+        self.log_row("val", r["loss"], r["accuracy"], r["n"], **scores)
+        shown = "".join(f", {name} {100 * value:.2f}%" for name, value in scores.items())
+        best = "" if by == "accuracy" else f"{by} "
+        self.progress.write(f"step {self.step}: val loss {r['loss']:.4f}, accuracy {100 * r['accuracy']:.2f}%{shown} "
+                            f"(best {best}{100 * self.best.get('score', self.best['accuracy']):.2f}% at step "
+                            f"{self.best['step']})")
 
     def out_of_time(self) -> bool:
         """``max_minutes`` has passed (agreed by every process, so that all stop at the same step)."""
@@ -385,21 +413,24 @@ class _Run:
             }, self.ckpt_path)
         self.ctx.barrier()
 
-    def test(self) -> tuple[float, float, int, float]:
-        """Test loss, accuracy and count of the final model, and the accuracy of the best-validation
-        model (the same model when the best validation was the last one)."""
+    def test(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Test loss, accuracy, count and scores of the final model and of the best-validation model
+        (the same model when the best validation was the last one)."""
         cfg, ctx, data = self.cfg, self.ctx, self.data
         test_idx = data.test_idx
-        t_loss, t_acc, t_n = _evaluate(self.model, data.test, test_idx, self.local_batch, cfg, ctx)
-        self.log_row("test", t_loss, t_acc, t_n)
+        final = _evaluate(self.model, data.test, test_idx, self.local_batch, cfg, ctx)
+        self._log_test("test", final)
         if self.best_state is None or self.best["step"] == self.step:
-            return t_loss, t_acc, t_n, t_acc
+            return final, final
         final_state = copy.deepcopy(self.model.state_dict())
         self.model.load_state_dict(self.best_state)
-        b_loss, b_acc, _ = _evaluate(self.model, data.test, test_idx, self.local_batch, cfg, ctx)
+        best = _evaluate(self.model, data.test, test_idx, self.local_batch, cfg, ctx)
         self.model.load_state_dict(final_state)
-        self.log_row("test_best_val", b_loss, b_acc, t_n)
-        return t_loss, t_acc, t_n, b_acc
+        self._log_test("test_best_val", best)
+        return final, best
+
+    def _log_test(self, split: str, r: dict[str, Any]) -> None:
+        self.log_row(split, r["loss"], r["accuracy"], r["n"], **{name: r[name] for name in self.task.scores})
 
     def stop(self) -> dict[str, Any]:
         """Out of time before the last step: the checkpoint is written; say how to continue."""
@@ -411,27 +442,34 @@ class _Run:
         """Test, then ``model.pt`` and ``results.json``; the resume checkpoint is removed."""
         self.progress.close()
         train_seconds = self.elapsed()
-        t_loss, t_acc, t_n, best_test = self.test()
-        results = self._results(t_loss, t_acc, t_n, best_test, train_seconds)
+        final, best = self.test()
+        results = self._results(final, best, train_seconds)
         if self.ctx.is_main:
             save_model(self.out_dir / FINAL_MODEL, self.cfg, self.model.state_dict(), self.step)
             _atomic_json(self.out_dir / RESULTS, results)
             self.ckpt_path.unlink()  # the run is complete: model.pt, best.pt and results.json remain
-            self.say(f"test accuracy {100 * t_acc:.2f}% (final model), {100 * best_test:.2f}% (best validation "
-                     f"model, step {self.best['step']}); {self._baseline()}"
+            scores = "".join(f"; test {name} {100 * final[name]:.2f}% (final), {100 * best[name]:.2f}% (best "
+                             "validation)" for name in self.task.scores)
+            self.say(f"test accuracy {100 * final['accuracy']:.2f}% (final model), {100 * best['accuracy']:.2f}% "
+                     f"(best validation model, step {self.best['step']}){scores}; {self._baseline()}"
                      f"{self.step} steps in {train_seconds:.0f} s (+ {results['wall_seconds'] - train_seconds:.0f} "
                      "s of testing)", flush=True)
         self.ctx.barrier()
         return results
 
-    def _results(self, t_loss: float, t_acc: float, t_n: int, best_test: float, train_seconds: float) -> dict:
-        cfg, data = self.cfg, self.data
+    def _results(self, final: dict[str, Any], best: dict[str, Any], train_seconds: float) -> dict:
+        cfg, data, task = self.cfg, self.data, self.task
+        scores = {f"test_{name}": final[name] for name in task.scores}
+        scores.update({f"test_{name}_best_val": best[name] for name in task.scores})
+        if task.best_by != "accuracy":
+            scores[f"best_val_{task.best_by}"] = self.best.get("score", self.best["accuracy"])
         return {
             "task": cfg.task, "task_options": cfg.task_options, "method": cfg.method,
             "method_options": cfg.method_options, "preset": cfg.preset,
-            "steps": self.step, "test_accuracy": t_acc, "test_loss": t_loss, "test_accuracy_best_val": best_test,
+            "steps": self.step, "test_accuracy": final["accuracy"], "test_loss": final["loss"],
+            "test_accuracy_best_val": best["accuracy"], **scores,
             "best_val_accuracy": self.best["accuracy"], "best_val_step": self.best["step"],
-            "val_samples": int(len(data.val_idx)), "test_samples": int(len(data.test_idx)), "test_labels": t_n,
+            "val_samples": int(len(data.val_idx)), "test_samples": int(len(data.test_idx)), "test_labels": final["n"],
             **data.facts,
             "parameters": sum(p.numel() for p in self.model.parameters()),
             "attention_dropout_applied": self.attn_dropout, "train_seconds": round(train_seconds, 1),
