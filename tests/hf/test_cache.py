@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -81,7 +83,9 @@ def test_generate_with_state_matches_generate_with_all_keys(method, options):
 def test_methods_without_state_decode_with_all_keys(method, options):
     """A method without a decoding state gets a DynamicCache from decoding_cache, and refuses a
     StateCache with a clear error."""
-    model = H.retrofit(tiny_llama(), method, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sinkhorn says when retrofitted that it cannot decode (test_decoding.py)
+        model = H.retrofit(tiny_llama(), method, **options)
     assert not H.has_state(model)
     assert isinstance(H.decoding_cache(model), transformers.DynamicCache)
     with pytest.raises(NotImplementedError, match="no decoding state"), torch.no_grad():
@@ -154,8 +158,16 @@ def test_hybrid_prefill_is_the_parallel_op_and_a_padded_batch_generates_as_its_r
         assert torch.equal(both[b, 30:], alone[0, 30 - start:])
 
 
-def test_hybrid_refuses_a_dynamic_cache_and_names_its_own():
+def test_hybrid_decodes_from_a_dynamic_cache_through_its_state_beside_the_keys():
+    """Given transformers' DynamicCache (as a model loaded with attn_implementation gets), hybrid
+    keeps its decoding state on the cache layers and generates what its own StateCache generates,
+    a left-padded batch and beam search (which reorders the cached keys) included."""
     model = H.retrofit(tiny_llama(), "hybrid", **HYBRID_SMALL)
-    with pytest.raises(NotImplementedError, match="decoding_cache"):
-        model.generate(_ids(1, 12), **_cache(transformers.DynamicCache()), max_new_tokens=2, do_sample=False,
-                       pad_token_id=0)
+    ids = _ids(2, 30)
+    mask = torch.ones_like(ids)
+    ids[1, :5], mask[1, :5] = 0, 0
+    for extra in ({}, {"num_beams": 3}):
+        kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, **extra)
+        keys = model.generate(ids, **_cache(transformers.DynamicCache()), **kw)
+        state = model.generate(ids, **_cache(H.decoding_cache(model)), **kw)
+        assert torch.equal(keys, state), extra

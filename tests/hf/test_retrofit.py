@@ -11,6 +11,8 @@ import subquad  # noqa: E402
 import subquad.hf as H  # noqa: E402
 
 transformers.logging.set_verbosity_error()
+# a decoder retrofitted with a method that cannot decode from a cache says so (tests/hf/test_decoding.py)
+pytestmark = pytest.mark.filterwarnings("ignore:subquad retrofit.*cannot decode from a cache:UserWarning")
 
 QKV_METHODS = [m.name for m in subquad.list_methods() if m.kind == "attention"]
 CAUSAL = [m for m in QKV_METHODS if subquad.get_method(m).causal]

@@ -17,6 +17,7 @@ Causal attention (a decoder) needs a causal method; a non-causal one is refused 
 from __future__ import annotations
 
 import copy
+import types
 from typing import Any
 
 import torch
@@ -28,6 +29,9 @@ __all__ = ["RetrofitAttention", "retrofit", "unretrofit", "is_retrofitted", "att
            "retrofit_methods", "IMPLEMENTATION"]
 
 IMPLEMENTATION = "subquad"
+#: what a retrofit writes into the model's config (saved with it by ``save_pretrained``): the
+#: method and its options, which ``attn_implementation="subquad_<method>"`` reads back
+CONFIG_FIELDS = ("subquad_method", "subquad_options")
 # options consumed by the retrofit itself, never passed to an op
 _RETROFIT_OPTIONS = ("adapter", "seed")
 
@@ -201,7 +205,8 @@ def _subquad_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     r = getattr(module, "subquad_retrofit", None)
     if r is None:
         raise RuntimeError(f"{type(module).__name__} runs attn_implementation='subquad' but was not retrofitted; "
-                           "call subquad.hf.retrofit(model, method) on the whole model")
+                           "call subquad.hf.retrofit(model, method) on the whole model, or load it with "
+                           "attn_implementation='subquad_<method>' (subquad.hf.implementation_names())")
     for name in ("sliding_window", "softcap", "position_bias", "s_aux"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"subquad retrofit: this model passes {name}={kwargs[name]!r} to attention, "
@@ -226,21 +231,52 @@ def _subquad_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
         return r.decode(query, key, value, pad, scaling, layer).transpose(1, 2).contiguous(), None
     causal = causal and m > 1
     if causal and n != m:
-        # decoding with a KV cache: the queries are the last n positions; left-pad them to m
-        if not subquad.get_method(r.method).query_local:
-            from .cache import CACHE_ARGUMENT
-
-            local = [name for name in retrofit_methods() if subquad.get_method(name).query_local]
-            hint = (f" with this cache; pass {CACHE_ARGUMENT}=subquad.hf.decoding_cache(model) (its own decoding state)"
-                    if r.has_state else "")
-            raise NotImplementedError(f"subquad retrofit: cached decoding (query length {n} < key length {m}) is "
-                                      f"supported for {local}, not {r.method!r}{hint}")
-        full = query.new_zeros(query.shape[0], query.shape[1], m, query.shape[3])
+        # decoding with a KV cache: the queries are the last n positions
+        if r.mode == "approx" and not subquad.get_method(r.method).query_local:
+            if not r.has_state:
+                local = [name for name in retrofit_methods() if subquad.get_method(name).query_local]
+                raise NotImplementedError(f"subquad retrofit: cached decoding (query length {n} < key length {m}) "
+                                          f"is supported for {local} and the methods with a decoding state, not "
+                                          f"{r.method!r}; generate with use_cache=False (the whole prefix again "
+                                          "for every token)")
+            out = _decode_beside_keys(module, r, query, key, value, pad, scaling)
+            return out.transpose(1, 2).contiguous(), None
+        full = query.new_zeros(query.shape[0], query.shape[1], m, query.shape[3])  # left-pad the queries to m
         full[:, :, m - n:] = query
         out = r(full, key, value, pad, True, scaling)[:, :, m - n:]
     else:
         out = r(query, key, value, pad, causal, scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+#: attribute of a cache layer (transformers' DynamicLayer) that holds the decoding state kept beside its keys
+KEPT_STATE = "subquad_decoding"
+
+
+def _decode_beside_keys(module: nn.Module, r: RetrofitAttention, query: Tensor, key: Tensor, value: Tensor,
+                        pad: Tensor | None, scale: float | None) -> Tensor:
+    """The ``n`` new queries of a method whose outputs at different queries depend on each other
+    (hybrid) from a cache of keys and values (transformers' DynamicCache): through the method's
+    decoding state, built from the cached keys at the first step and kept on the cache layer. Each
+    step checks the state against the cached keys (their count and sum), so a cache that was
+    cropped, reordered by beam search or filled elsewhere gets a state rebuilt from its keys."""
+    n, m = query.shape[2], key.shape[2]
+    past = m - n
+    layers = getattr(r.active_cache, "layers", None)
+    cache_layer = layers[module.layer_idx] if layers is not None and module.layer_idx < len(layers) else None
+    kept = getattr(cache_layer, KEPT_STATE, None)
+    mark = key[:, :, :past].float().sum(2)
+    if (kept is None or kept.seen != past or kept.mark.shape != mark.shape
+            or not torch.allclose(kept.mark, mark, rtol=1e-4, atol=1e-4)):
+        kept = types.SimpleNamespace(state=None, seen=0, mark=None)
+        if past:  # the cached tokens join the state; their outputs (from blank queries) are not used
+            blank = query.new_zeros(query.shape[0], query.shape[1], past, query.shape[3])
+            r.decode(blank, key[:, :, :past], value[:, :, :past], None if pad is None else pad[:, :past], scale, kept)
+    out = r.decode(query, key[:, :, past:], value[:, :, past:], None if pad is None else pad[:, past:], scale, kept)
+    kept.seen, kept.mark = m, key.float().sum(2)
+    if cache_layer is not None:
+        setattr(cache_layer, KEPT_STATE, kept)
+    return out
 
 
 def _state_layer(module: nn.Module, r: RetrofitAttention) -> Any:
@@ -349,15 +385,7 @@ def retrofit(model: nn.Module, method: str, **options: Any) -> nn.Module:
     added = []
     try:
         for i, (_name, mod) in enumerate(mods):
-            heads, dim = _heads_and_dim(mod)
-            layer = mod.layer_idx if isinstance(mod.layer_idx, int) else i
-            r = RetrofitAttention(method, heads, dim, copy.deepcopy(options), layer=layer)
-            p = next(mod.parameters(), None)
-            if p is not None:
-                r.to(device=p.device)
-            mod.subquad_retrofit = r
-            r.hooks = (mod.register_forward_pre_hook(_remember_cache, with_kwargs=True),
-                       mod.register_forward_hook(_forget_cache))
+            attach(mod, method, options, i)
             added.append(mod)
     except Exception:
         for mod in added:
@@ -365,8 +393,31 @@ def retrofit(model: nn.Module, method: str, **options: Any) -> nn.Module:
         raise
     previous = model.config._attn_implementation
     model.set_attn_implementation(IMPLEMENTATION)
-    model._subquad_retrofit = {"method": method, "options": dict(options), "previous": previous}
+    info = {"method": method, "options": dict(options), "previous": previous,
+            "config": {name: getattr(model.config, name, None) for name in CONFIG_FIELDS}}
+    model.config.subquad_method, model.config.subquad_options = method, copy.deepcopy(dict(options))
+    if causal_layers:
+        from .decoding import install
+
+        info["decoding"] = install(model, method)
+    model._subquad_retrofit = info
     return model
+
+
+def attach(mod: nn.Module, method: str, options: dict[str, Any], index: int = 0) -> RetrofitAttention:
+    """Give one attention module its :class:`RetrofitAttention` (``.subquad_retrofit``, on the
+    module's device) and the hooks that show it the cache of each call. ``index``: the layer's
+    position, used when the module has no integer ``layer_idx``."""
+    heads, dim = _heads_and_dim(mod)
+    layer = mod.layer_idx if isinstance(mod.layer_idx, int) else index
+    r = RetrofitAttention(method, heads, dim, copy.deepcopy(options), layer=layer)
+    p = next(mod.parameters(), None)
+    if p is not None:
+        r.to(device=p.device)
+    mod.subquad_retrofit = r
+    r.hooks = (mod.register_forward_pre_hook(_remember_cache, with_kwargs=True),
+               mod.register_forward_hook(_forget_cache))
+    return r
 
 
 def unretrofit(model: nn.Module) -> nn.Module:
@@ -374,10 +425,18 @@ def unretrofit(model: nn.Module) -> nn.Module:
     info = getattr(model, "_subquad_retrofit", None)
     if info is None:
         raise ValueError("this model is not retrofitted")
+    from .decoding import uninstall
+
+    uninstall(model, info.get("decoding"))
     for _, mod in attention_modules(model):
         if hasattr(mod, "subquad_retrofit"):
             _detach(mod)
     model.set_attn_implementation(info["previous"] or "sdpa")
+    for name, value in info.get("config", {}).items():
+        if value is not None:
+            setattr(model.config, name, value)
+        elif hasattr(model.config, name):
+            delattr(model.config, name)
     model._subquad_retrofit = None
     return model
 
