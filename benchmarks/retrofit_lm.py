@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,6 @@ import torch
 
 import subquad
 import subquad.hf as H
-from subquad.compare import smollm
 from subquad.pretrained import load_smollm
 from subquad.compare.common import machine_info, md_table, source_state
 from subquad.cli_base import parse_value
@@ -39,29 +37,15 @@ ROWS = (("hybrid", {}), ("hybrid", {"budget": 128}), ("hybrid", {"query_beam": 0
         ("linear", {}), ("performer", {}), ("sinkhorn", {"block_size": 128}))
 
 
-def losses(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Per-token next-token losses ``(N - 1,)``, greedy predictions ``(N - 1,)`` and seconds."""
-    start = time.perf_counter()
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, :-1].float()
-    seconds = time.perf_counter() - start
-    loss = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")
-    return loss, logits.argmax(-1), seconds
+losses = H.next_token_losses  # (model, ids) -> per-token losses, greedy predictions, seconds
 
 
 def result_row(label: str, loss, pred, seconds, exact) -> dict:
-    quarter = loss.shape[0] * 3 // 4
-    row = {"method": label, "ppl": math.exp(loss.mean().item()),
-           "ppl_last_quarter": math.exp(loss[quarter:].mean().item()), "seconds": seconds}
-    if exact is not None:
-        row["ppl_ratio"] = row["ppl"] / exact["ppl"]
-        row["last_quarter_ratio"] = row["ppl_last_quarter"] / exact["ppl_last_quarter"]
-        row["same_prediction"] = (pred == exact["pred"]).float().mean().item()
-    return row
+    return {"method": label, **H.lm_scores(loss, pred, exact), "seconds": seconds}
 
 
 def measure_n(n: int, tokenizer, model, rows) -> list[dict]:
-    ids = tokenizer(smollm.long_text(n, tokenizer, part="eval"), return_tensors="pt")["input_ids"][:, :n]
+    ids = H.eval_ids(tokenizer, n)
     loss, pred, seconds = losses(model, ids)
     exact = result_row("exact (the model's own attention)", loss, pred, seconds, None)
     print(f"N={n} exact: ppl {exact['ppl']:.3f} ({seconds:.0f} s)", file=sys.stderr, flush=True)
