@@ -12,7 +12,8 @@ sequence (``per_token = False``: the model pools its states) and ``(B, L)`` with
 position).
 
 A task also says which model family the trainer builds for it (``model``: ``"encoder"`` for token
-sequences, ``"segmenter"`` for images with labels per pixel) and may report scores beyond loss and
+sequences, ``"segmenter"`` for images with labels per pixel, whose ``batch`` gives ``(images (B, C,
+H, W) float, key_padding_mask (B, H, W), labels (B, H, W))``) and may report scores beyond loss and
 accuracy: ``scores`` names them, :meth:`Task.score_counts` turns one evaluated batch into additive
 counts (summed over batches and processes) and :meth:`Task.score_values` turns the sums into the
 scores (a segmentation task's confusion matrix and mIoU); ``best_by`` names the validation score

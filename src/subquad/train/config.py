@@ -53,12 +53,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Digit scenes (semantic segmentation, subquad.tasks.digit_scenes) with the segmenter
     # (subquad.models.segmenter): HamNet's layout scaled down (Geng et al. 2021), one context block of
     # width 64 at 1/4 resolution (16 x 16 positions for 64 x 64 images), one head (Hamburger's ham:
-    # one group, rank 8); AdamW with a short warm-up and linear decay; sized for under an hour of one
-    # CPU thread (about 0.25 s a step of 32 scenes). ffn_dim, positions, head_hidden and
+    # one group, rank 8); AdamW with a short warm-up and linear decay. Sized for under 45 minutes of
+    # one CPU thread: a step of 32 scenes took 0.25-0.35 s with any core on a busy 2-core host (about
+    # 35 minutes for 6000 steps and 12 validations). ffn_dim, positions, head_hidden and
     # conv_kernel_size are the encoder's and unused here.
     "digit_scenes": dict(task="digit_scenes", layers=1, dim=64, heads=1, ffn_dim=128, positions="learned",
                          dropout=0.0, attention_dropout=0.0, head_hidden=0, pooling="none", conv_kernel_size=0,
-                         batch_size=32, lr=2e-3, warmup_steps=200, schedule="linear", steps=8000, weight_decay=1e-4,
+                         batch_size=32, lr=2e-3, warmup_steps=200, schedule="linear", steps=6000, weight_decay=1e-4,
                          betas=(0.9, 0.999), eps=1e-8, pad_to=4096, eval_every=500),
 }
 SCHEDULES = ("linear", "rsqrt", "constant")
