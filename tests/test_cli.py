@@ -304,3 +304,53 @@ def test_methods_name_prints_its_options(capsys):
         assert f"  {name} = {default!r}" in out
     code, _, err = run_cli(["methods", "nystrm"], capsys)
     assert code == 2 and "unknown method 'nystrm'" in err
+
+
+def test_a_slow_dtype_is_announced_before_the_points(capsys, monkeypatch):
+    """float16 without a fast path here: the note comes up front on stderr and in the results,
+    a roof that would not fit --max-call-seconds is left out, and achieved rates are quoted against
+    float32's roof, the faster (the ops compute half-precision inputs in float32)."""
+    from subquad.compare import flops
+    from subquad.compare.flops import Roof
+
+    def roof(device, dtype, *, max_seconds, min_run_time=1.0):
+        if dtype == torch.float32:
+            return Roof(1e11, 2048, {256: 0.001, 512: 0.008}, 0.1)
+        return Roof(None, 256, {256: 0.05}, 0.1)
+
+    monkeypatch.setattr(flops, "bounded_matmul_rate", roof)
+    order = []
+    real_point = compare._measure_point
+    monkeypatch.setattr(compare, "_measure_point", lambda *a, **k: (order.append(capsys.readouterr().err),
+                                                                     real_point(*a, **k))[1])
+    res = compare.run(_tiny(dtype="float16", methods=["softmax", "linear"]), show_progress=False)
+    assert "float16 has no fast path on this cpu" in order[0] and "50x" in order[0]
+    assert any("no fast path" in note for note in res["notes"])
+    assert any("no float16 matmul roof" in note for note in res["notes"])
+    assert res["machine"]["matmul_flops_per_s"] == {"float32": 1e11, "run_dtype": None}
+    assert all(r["matmul_fraction"] == pytest.approx(r["gflops"] * 1e9 / 1e11) for r in res["rows"])
+    from subquad.compare.report import markdown
+
+    assert "not measured in float16" in markdown(res, [])
+
+
+@pytest.mark.slow  # a whole command in a subprocess
+def test_compare_in_float16_shows_progress_at_once_and_finishes():
+    """On a CPU without fast float16, the roof's products are bounded by --max-call-seconds (a
+    2048 x 2048 float16 product alone takes 20-50 s here): the command shows its progress bar
+    within seconds of starting and finishes."""
+    import subprocess
+    import sys
+    import time
+
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "subquad", "compare", "--dtype", "float16", "--n", "256",
+                             "--methods", "linear", "--error-inputs", "iid", "--no-memory"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stderr.read(1)
+    first_output = time.perf_counter() - start
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, first + err
+    assert first_output < 30, f"nothing on stderr for {first_output:.0f} s"  # torch's import included
+    assert "subquad compare" in first + err and "linear" in out
+    assert time.perf_counter() - start < 300

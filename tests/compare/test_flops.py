@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import subquad
-from subquad.compare.flops import counted_flops, forward_flops, matmul_rate
+from subquad.compare.flops import bounded_matmul_rate, counted_flops, forward_flops, matmul_rate
 from subquad.compare.workload import full_options
 
 # option sets that take each method down its other code paths (defaults first)
@@ -85,3 +85,15 @@ def test_counted_flops_sees_fused_attention():
 def test_matmul_rate_is_positive():
     rate = matmul_rate("cpu", size=64, min_run_time=0.01)
     assert math.isfinite(rate) and rate > 0
+
+
+def test_bounded_matmul_rate_fits_its_time():
+    """The roof's product grows from 256 only while the measurement still fits: a tiny budget
+    leaves it unmeasured, a small one stops below 2048, and it never runs far past its budget."""
+    none = bounded_matmul_rate("cpu", torch.float32, max_seconds=1e-9, min_run_time=0.0)
+    assert none.rate is None and none.size == 256 and list(none.probes) == [256]
+    small = bounded_matmul_rate("cpu", torch.float16, max_seconds=0.5, min_run_time=0.01)
+    assert small.size < 2048 and small.seconds < 5.0
+    assert small.rate is None or (math.isfinite(small.rate) and small.rate > 0)
+    top = bounded_matmul_rate("cpu", torch.float32, max_seconds=60.0, size=128, min_run_time=0.01)
+    assert top.size == 128 and top.rate > 0

@@ -287,17 +287,24 @@ def run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _loading(what: str) -> None:
+    """One line on stderr before a model loads (seconds, before its progress bar can start)."""
+    print(f"subquad compare: loading {what} ...", file=sys.stderr, flush=True)
+
+
 def _measure(config, args: argparse.Namespace, text: str | None) -> dict[str, Any]:
     """Run the comparison that ``--source`` / ``--peers`` ask for and print its summary."""
     show = not args.quiet
     if args.source == "minilm":
         from . import minilm
 
+        _loading("all-MiniLM-L6-v2 (--source minilm)")
         results = minilm.run(config, text=text, show_progress=show)
         print(minilm.summary_text(results))
     elif args.source == "smollm":
         from . import smollm
 
+        _loading("SmolLM2-135M-Instruct's captures (--source smollm)")
         results = smollm.run(config, show_progress=show)
         print(smollm.summary_text(results))
     elif args.peers:
@@ -313,6 +320,7 @@ def _measure(config, args: argparse.Namespace, text: str | None) -> dict[str, An
         if config.error_inputs == "real":  # captured once, before the sweep over --n
             from . import minilm
 
+            _loading("all-MiniLM-L6-v2 for the error column (--error-inputs iid skips it)")
             real_errors = minilm.capture_errors(config, show_progress=show)
         results = compare.run(config, show_progress=show, real_errors=real_errors)
         print(leaderboard_text(results))

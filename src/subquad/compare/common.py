@@ -133,8 +133,8 @@ class _Lines:
     def update(self, k: int = 1) -> None:
         self.done += k
 
-    def write(self, text: str) -> None:
-        print(text, file=sys.stderr, flush=True)
+    def write(self, text: str, file=None) -> None:
+        print(text, file=file or sys.stderr, flush=True)
 
     def close(self) -> None:
         pass

@@ -16,6 +16,7 @@ look worse there than on the sharp attention of trained models.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -311,9 +312,11 @@ def _measure_point(info, n: int, q, k, v, reference, config: Config, history, ba
 
 
 def _derived(rows: list[dict[str, Any]], rates: dict[str, float]) -> None:
-    """Speed-ups over exact attention at the same N and the achieved FLOP rate."""
+    """Speed-ups over exact attention at the same N and the achieved FLOP rate, against the faster
+    of the float32 and the run's dtype's matmul rates (half-precision inputs are computed in float32
+    by most ops, so on a device without fast half-precision products float32's is their roof)."""
     exact = {r["n"]: r for r in rows if is_exact(r["method"])}
-    roof = rates.get("run_dtype") or rates.get("float32")
+    roof = max((rate for rate in rates.values() if rate), default=None)
     for r in rows:
         base = exact.get(r["n"])
         pairs = (("forward_s", "speedup_forward"), ("forward_backward_s", "speedup_forward_backward"))
@@ -325,13 +328,48 @@ def _derived(rows: list[dict[str, Any]], rates: dict[str, float]) -> None:
         r["matmul_fraction"] = r["flops"] / r["forward_s"] / roof if ok and roof else None
 
 
-def _matmul_rates(device: torch.device, dtype: torch.dtype, config: Config) -> dict[str, float]:
-    """This machine's matmul rate in float32, and in the run's dtype when that differs."""
-    roof_time = 2 * config.min_run_time
-    rates = {"float32": flop_counts.matmul_rate(device, torch.float32, min_run_time=roof_time)}
-    if dtype != torch.float32:
-        rates["run_dtype"] = flop_counts.matmul_rate(device, dtype, min_run_time=roof_time)
-    return rates
+#: a dtype whose square product runs this many times slower than float32's is called out up front
+SLOW_DTYPE = 2.0
+
+
+def _matmul_rates(device: torch.device, dtype: torch.dtype, config: Config, bar) -> tuple[dict, dict]:
+    """This machine's matmul rate in float32, and in the run's dtype when that differs (as
+    ``run_dtype``; None when even a 256 x 256 product would not fit), each measured within
+    ``--max-call-seconds`` at the largest square size that fits (:func:`~subquad.compare.flops.bounded_matmul_rate`),
+    announced on ``bar``. Returns ``(rates, roofs)``: FLOP/s, and the :class:`~subquad.compare.flops.Roof`
+    of each."""
+    roofs = {}
+    for key, dt in (("float32", torch.float32), ("run_dtype", dtype)):
+        if key == "run_dtype" and dtype == torch.float32:
+            break
+        bar.set_postfix_str(f"this machine's {str(dt).removeprefix('torch.')} matmul rate")
+        roofs[key] = flop_counts.bounded_matmul_rate(device, dt, max_seconds=config.max_call_seconds,
+                                                     min_run_time=2 * config.min_run_time)
+    return {key: roof.rate for key, roof in roofs.items()}, roofs
+
+
+def _roof_notes(config: Config, roofs: dict) -> list[str]:
+    """What the run's dtype costs here: a note when its products are :data:`SLOW_DTYPE` times slower
+    than float32's at the same size (no fast path on this device), and for each roof measured
+    smaller than the default or not at all (``--max-call-seconds``)."""
+    notes = []
+    roof, base = roofs.get("run_dtype"), roofs["float32"]
+    same = max(set(roof.probes) & set(base.probes), default=None) if roof is not None else None
+    slower = roof.probes[same] / base.probes[same] if same else 0.0
+    if slower >= SLOW_DTYPE:
+        notes.append(f"{config.dtype} has no fast path on this {config.device}: a {same} x {same} matrix product "
+                     f"takes {slower:.0f}x as long as in float32, so the {config.dtype} times here measure that "
+                     "slow path (float32, or a device with fast float16/bfloat16, compares the methods' own work)")
+    limit = f"within --max-call-seconds {config.max_call_seconds:g}"
+    for key, r in roofs.items():
+        name = config.dtype if key == "run_dtype" else key
+        if r.rate is None:
+            notes.append(f"no {name} matmul roof: even a {r.size} x {r.size} product would not be measured {limit}; "
+                         "achieved fractions of it are left out")
+        elif r.size < flop_counts.matmul_size(config.device):
+            notes.append(f"the {name} matmul roof is a {r.size} x {r.size} product (a larger one would not be "
+                         f"measured {limit})")
+    return notes
 
 
 def _recommendations(rows: list[dict[str, Any]], config: Config) -> tuple[list[dict], list[dict]]:
@@ -385,14 +423,15 @@ def run(config: Config, *, show_progress: bool = True, real_errors: dict[str, An
     dtype = DTYPES[config.dtype]
     start = time.time()
     infos = [subquad.get_method(m) for m in config.methods]
-    notes: list[str] = []
     load_before = machine_load()
-    rates = _matmul_rates(device, dtype, config)
-
     rows: list[dict[str, Any]] = []
     history: dict[str, dict[int, dict[str, Any]]] = {i.name: {} for i in infos}
-    bar = progress_bar(len(config.ns) * len(infos), "subquad compare", show_progress)
+    bar = progress_bar(len(config.ns) * len(infos), "subquad compare", show_progress)  # shown before any work
     try:
+        rates, roofs = _matmul_rates(device, dtype, config, bar)
+        notes = _roof_notes(config, roofs)
+        for note in notes:  # up front, before the points
+            bar.write(f"subquad compare: {note}", file=sys.stderr)
         for n, q, k, v, reference in random_inputs(config, dtype, device, bar, reference=errors["kind"] == "iid"):
             for info in infos:
                 row = _measure_point(info, n, q, k, v, reference, config, history[info.name], bar,
@@ -401,17 +440,19 @@ def run(config: Config, *, show_progress: bool = True, real_errors: dict[str, An
                 rows.append(row)
                 bar.update(1)
             del reference
+        # the roof again after the points: one measured while something else ran reads low, and every
+        # achieved rate would then read high against it
+        again, _ = _matmul_rates(device, dtype, config, bar)
+        rates = {k: None if v is None else max(v, again[k] or 0.0) for k, v in rates.items()}
     finally:
         bar.close()
-    # the roof again after the points: one measured while something else ran reads low, and every
-    # achieved rate would then read high against it
-    rates = {k: max(v, _matmul_rates(device, dtype, config)[k]) for k, v in rates.items()}
     _derived(rows, rates)
     budgets, recommendations = _recommendations(rows, config)
     return {
         "kind": "compare",
         "config": asdict(config),
         "machine": {**machine_info(device), "matmul_flops_per_s": rates,
+                    "matmul_size": {key: roof.size for key, roof in roofs.items()},
                     "load": {"before": load_before, "after": machine_load()}},
         "error_inputs": errors,
         "rows": rows,

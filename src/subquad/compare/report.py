@@ -207,7 +207,8 @@ def _columns_explained(res: dict[str, Any]) -> list[str]:
         "- **GFLOP/s**: the forward's matmul FLOPs (formulas in `subquad.compare.flops`, checked against "
         "`torch.utils.flop_counter` in the tests; softmaxes and other elementwise work are not counted) "
         "over its time, and that as a share of this machine's matmul rate (the fastest measured block of "
-        "a large square matmul, the faster of its measurements at the start and at the end of the run). "
+        "a large square matmul, the faster of its measurements at the start and at the end of the run, "
+        "and of float32's and the run's dtype's). "
         "Methods dominated by elementwise work or small matmuls sit far below 100%.",
         f"- **status**: `skipped` when a call was predicted to take over --max-call-seconds "
         f"({c['max_call_seconds']:g} s); `partial` or `FAILED` with the error below.",
@@ -237,10 +238,17 @@ def least_memory_lines(res: dict[str, Any]) -> list[str]:
 def markdown_compare(res: dict[str, Any], images: list[str]) -> str:
     c, m = res["config"], res["machine"]
     rate = m["matmul_flops_per_s"]
-    size = 2048 if m["device"].startswith("cpu") else 8192
-    rate_text = f"{rate['float32'] / 1e9:.0f} GFLOP/s in float32 ({size} x {size})"
-    if rate.get("run_dtype"):
-        rate_text += f", {rate['run_dtype'] / 1e9:.0f} GFLOP/s in {c['dtype']}"
+    default = 2048 if m["device"].startswith("cpu") else 8192  # results written before matmul_size was recorded
+    size = m.get("matmul_size") or {"float32": default, "run_dtype": default}
+
+    def roof(key: str, dtype: str) -> str:
+        if not rate.get(key):
+            return f"not measured in {dtype} (see the notes)"
+        return f"{rate[key] / 1e9:.0f} GFLOP/s in {dtype} ({size[key]} x {size[key]})"
+
+    rate_text = roof("float32", "float32")
+    if "run_dtype" in rate:
+        rate_text += f", {roof('run_dtype', c['dtype'])}"
     out = [
         "# subquad compare: every method against exact attention",
         "",
