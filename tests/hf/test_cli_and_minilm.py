@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,22 @@ def tiny_dir(tmp_path):
     cfg = transformers.BertConfig(vocab_size=5 + len(WORDS), hidden_size=32, num_hidden_layers=2,
                                   num_attention_heads=4, intermediate_size=64, initializer_range=0.3)
     transformers.BertModel(cfg).save_pretrained(d)
+    return d
+
+
+@pytest.fixture
+def tiny_lm_dir(tmp_path):
+    """A tiny random Llama and a word tokenizer, saved as a causal-LM directory."""
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
+    d = tmp_path / "tiny-lm"
+    transformers.logging.set_verbosity_error()
+    transformers.BertTokenizer(str(vocab)).save_pretrained(d)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=5 + len(WORDS), hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=256)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
     return d
 
 
@@ -80,12 +97,43 @@ def test_cli_retrofit_compares_on_packed_texts_unless_short(tiny_dir, tmp_path, 
     assert "on 4 held-out paragraphs" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # whole commands
+def test_cli_retrofit_decoder(tiny_lm_dir, tmp_path, capsys):
+    """A local causal-LM directory: perplexity against exact attention, a greedy sample of each,
+    and a --save directory that transformers reloads with attn_implementation; then a transfer
+    with --out."""
+    saved = tmp_path / "saved"
+    held_out = str(_text_file(tmp_path / "e.txt", 20, 1))
+    argv = ["retrofit", "--model", str(tiny_lm_dir), "--method", "hybrid", "-o", "budget=8", "--n", "96",
+            "--eval-texts", held_out]
+    assert main([*argv, "--generate", "the of a", "--max-new-tokens", "4", "--save", str(saved)]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"^exact attention: perplexity \d+\.\d+, last quarter .* on 96 tokens of ", text, re.M)
+    assert re.search(r"^zero-shot hybrid \{'budget': 8\}: perplexity .*: x\d\.\d{4} and x\d\.\d{4} exact", text, re.M)
+    assert "prompt: 'the of a'\nexact attention: '" in text and "\nhybrid: '" in text
+    H.register_attention()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(saved, attn_implementation="subquad_hybrid").eval()
+    model = H.retrofit(transformers.AutoModelForCausalLM.from_pretrained(tiny_lm_dir).eval(), "hybrid", budget=8)
+    ids = torch.randint(5, 5 + len(WORDS), (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    out = tmp_path / "r.pt"
+    train = str(_text_file(tmp_path / "t.txt", 40, 0))
+    argv = ["retrofit", "--model", str(tiny_lm_dir), "--method", "hedgehog", "--n", "96", "--eval-texts", held_out,
+            "--texts", train, "--train-count", "4", "--steps", "3", "--quiet", "--force", "--out", str(out)]
+    assert main(argv) == 0
+    assert "after 3 transfer steps" in capsys.readouterr().out
+    assert H.read_retrofit(out)["method"] == "hedgehog"
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--method", "nope"], "unknown --method"),
     (["--method", "hedgehog", "-o", "window"], "NAME=VALUE"),
     (["--method", "hedgehog", "-o", "windw=3"], "unknown option"),
     (["--method", "hedgehog", "-o", "linear.window=3"], "option of method 'linear'"),
     (["--method", "hedgehog", "--steps", "-1"], "--steps"),
+    (["--method", "hybrid", "--generate", "the"], "--generate needs a decoder"),
+    (["--method", "hybrid", "--save", "somewhere", "--steps", "3"], "--save writes a zero-shot retrofit"),
 ])
 def test_cli_retrofit_errors(tiny_dir, argv, msg, capsys):
     with pytest.raises(SystemExit) as e:

@@ -60,7 +60,7 @@ def greedy_sample(model: nn.Module, tokenizer, prompt: str, max_new_tokens: int 
     decoded to text without the prompt."""
     enc = tokenizer(prompt, return_tensors="pt")
     device = next(model.parameters()).device
-    enc = {k: v.to(device) for k, v in enc.items()}
+    enc = {k: enc[k].to(device) for k in ("input_ids", "attention_mask") if k in enc}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
