@@ -152,8 +152,10 @@ def _finished_run(cfg: TrainConfig, ctx: DistributedContext, out_dir: Path) -> d
                          "results, or choose another output directory")
     check_resume(results["config"], cfg, ctx.world_size, results.get("world_size", 1))
     if ctx.is_main:
+        scores = "".join(f", {name} {100 * results[f'test_{name}']:.2f}%"
+                         for name in make_task(cfg.task, cfg.task_options).scores if f"test_{name}" in results)
         print(f"{out_dir} is finished ({results['steps']} steps): test accuracy "
-              f"{100 * results['test_accuracy']:.2f}%", flush=True)
+              f"{100 * results['test_accuracy']:.2f}%{scores}", flush=True)
     return results
 
 
