@@ -19,6 +19,7 @@ from subquad.train import TrainConfig, load_model, train
 
 PER_CLASS = 24  # synthetic digits per class: 14 train, 4 val, 6 test with the options below
 SPLIT = dict(val_per_class=4, test_per_class=6)
+SMALL = dict(SPLIT, val_scenes=40, test_scenes=40)  # fewer test scenes to draw at load
 
 
 def synthetic_digits(per_class: int = PER_CLASS, seed: int = 0, order=None):
@@ -87,7 +88,7 @@ def test_real_digits_split_by_class():
 
 
 def test_scenes_are_deterministic(fake_digits):
-    task = DigitScenes(**SPLIT)
+    task = DigitScenes(**SMALL)
     a, b = task.load("", None), task.load("", None)
     for split in ("train", "val", "test"):
         x1, pad, y1 = getattr(a, split).batch([0, 5, 3], 4096)
@@ -95,7 +96,7 @@ def test_scenes_are_deterministic(fake_digits):
         assert torch.equal(x1, x2) and torch.equal(y1, y2) and not pad.any()
     assert not torch.equal(a.train.batch([0], 4096)[0], a.train.batch([1], 4096)[0])
     assert not torch.equal(a.train.batch([0], 4096)[0], a.test.batch([0], 4096)[0])
-    other = DigitScenes(**SPLIT, data_seed=1).load("", None)
+    other = DigitScenes(**SMALL, data_seed=1).load("", None)
     assert not torch.equal(a.test.batch([0], 4096)[0], other.test.batch([0], 4096)[0])
 
 
@@ -116,7 +117,7 @@ def test_batch_shapes_and_sizes(fake_digits):
 
 
 def test_label_masks(fake_digits):
-    data = DigitScenes(**SPLIT, variant="mixed").load("", None)
+    data = DigitScenes(**SMALL, variant="mixed").load("", None)
     images, _, labels = data.test.batch(np.arange(20), 4096)
     images = images[:, 0]
     assert torch.equal(labels == 0, images == 0)  # background: no ink at all
@@ -141,8 +142,8 @@ def test_a_placed_digit_is_labelled_with_its_class():
 
 
 def test_same_and_mixed_variants(fake_digits):
-    same = DigitScenes(**SPLIT, variant="same").load("", None).train
-    mixed = DigitScenes(**SPLIT, variant="mixed").load("", None).train
+    same = DigitScenes(**SMALL, variant="same").load("", None).train
+    mixed = DigitScenes(**SMALL, variant="mixed").load("", None).train
     _, _, y_same = same.batch(np.arange(30), 4096)
     _, _, y_mixed = mixed.batch(np.arange(30), 4096)
     classes = lambda y: {c for c in y.unique().tolist() if c > 0}  # noqa: E731
@@ -157,7 +158,7 @@ def test_splits_draw_only_their_own_digits(monkeypatch):
     images = images.copy()
     images[test_digits] = np.where(images[test_digits] == 255, 200, images[test_digits])
     monkeypatch.setattr(ds, "load_digits", lambda: (images, labels))
-    data = DigitScenes(**SPLIT).load("", None)
+    data = DigitScenes(**SMALL).load("", None)
     for split, brightest in (("train", 1.0), ("val", 1.0), ("test", 200 / 255)):
         x = getattr(data, split).batch(np.arange(10), 4096)[0]
         assert x.amax(dim=(1, 2, 3)).tolist() == pytest.approx([brightest] * 10)
