@@ -1,0 +1,129 @@
+"""Block-sparse attention: each block of consecutive queries attends exactly to a shared set of
+key blocks (the first ``sinks``, the ``local`` ones next to it, and the ``num_blocks`` that its
+scoring queries rate highest), computed as matrix products over whole blocks.
+
+Selection (``select.py``) is the same for every form: causal, a block is scored by the queries
+before it, so a query's keys depend on nothing at or after its block. The attention itself runs
+as one FlexAttention call (``parallel.py``; CUDA, and CPU inference in float32) or over
+gathered key blocks with batched matrix products (``chunk.py``; autograd, any device and dtype);
+``naive.py`` is the dense reference both are tested against.
+
+Related methods: MoBA (Lu et al. 2025, arXiv 2502.13189: blocks gated by their mean key),
+Quest (Tang et al. 2024, arXiv 2406.10774: pages by a per-channel bound), attention sinks
+(Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks", arXiv
+2309.17453: pretrained models park attention on the first tokens, so ``sinks`` keeps them).
+
+Cost per query: ``(sinks + local + num_blocks) key_block`` keys (causal: plus up to
+``query_block + key_block`` on the diagonal), plus ``nk`` block scores (``"mass"``); selection is
+discrete and has no gradient, the attention over the selected keys has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...checks import check_choice, check_int
+from ...registry import register_method
+from .._masks import compute_dtype, compute_precision
+from .chunk import attend_gathered
+from .parallel import attend_flex, flex_available
+from .select import Selection, select_blocks
+
+__all__ = ["BlockSparseOptions", "Selection", "block_sparse_attention", "flops", "select_blocks", "SCORES"]
+
+SCORES = ("mass", "mean")
+#: below this many queries the gathered form runs even where FlexAttention could (its compile and
+#: padding to a bucket cost more than the work)
+FLEX_MIN_QUERIES = 2048
+
+
+@dataclass
+class BlockSparseOptions:
+    """``query_block``: consecutive queries that share one set of key blocks (default 128);
+    ``key_block``: keys per block (64); ``num_blocks``: key blocks each query block selects by
+    score (16); ``sinks``: leading key blocks always attended (1); ``local``: key blocks next to
+    the query block always attended (causal: the ``local`` blocks before it; not causal: on each
+    side; 1); ``score``: ``"mass"`` (estimated attention mass of the block for the scoring
+    queries) or ``"mean"`` (mean query times mean key, MoBA's gate); ``backend``: ``"auto"``
+    (FlexAttention where it runs, for at least 2048 queries), ``"flex"`` or ``"gather"``."""
+
+    query_block: int = 128
+    key_block: int = 64
+    num_blocks: int = 16
+    sinks: int = 1
+    local: int = 1
+    score: str = "mass"
+    backend: str = "auto"
+
+    def __post_init__(self):
+        for name in ("query_block", "key_block"):
+            check_int("block_sparse", name, getattr(self, name), minimum=1)
+            value = getattr(self, name)
+            if value & (value - 1):
+                raise ValueError(f"block_sparse: {name} must be a power of two, got {value}")
+        for name in ("num_blocks", "sinks", "local"):
+            check_int("block_sparse", name, getattr(self, name), minimum=0)
+        check_choice("block_sparse", "score", self.score, SCORES)
+        check_choice("block_sparse", "backend", self.backend, ("auto", "flex", "gather"))
+
+
+def flops(B, H, N, M, D, Dv, o):
+    """Matmul FLOPs of one non-causal forward: each query against its selected keys (the
+    selected, sink and local blocks plus the blocks under its own), plus the block scores."""
+    kb, qb = o["key_block"], o["query_block"]
+    nk = -(-M // kb)
+    blocks = min(nk, o["num_blocks"] + o["sinks"] + 2 * o["local"] + -(-qb // kb) + 1)
+    return 2 * B * H * N * (blocks * kb * (D + Dv) + nk * D)
+
+
+@register_method(
+    "block_sparse",
+    options=BlockSparseOptions,
+    summary="exact attention over the sink, local and top-scoring key blocks of each query block",
+    causal=True,
+    cross_attention=True,
+    complexity="linear",
+    flops=flops,
+    test_options={"query_block": 4, "key_block": 2, "num_blocks": 2, "sinks": 1, "local": 1},
+)
+def block_sparse_attention(q, k, v, key_padding_mask, causal, scale, *, options: BlockSparseOptions):
+    """Block-sparse attention (see the module docstring).
+
+    Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
+    Causal: query ``i`` sees the keys at positions ``<= i``. Padded keys are never attended or
+    scored (their content never reaches an output); a query with no real key outputs zeros.
+    Computes in float32 (float64 stays float64) except on CUDA, where FlexAttention takes
+    half-precision inputs as they are (accumulating in float32); returns the dtype of q."""
+    o = options
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    valid = None if key_padding_mask is None else ~key_padding_mask
+    on_gpu_half = q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+    dtype = q.dtype if on_gpu_half else compute_dtype(q.dtype)
+    with compute_precision(q):
+        qc, kc, vc = q.to(dtype), k.to(dtype), v.to(dtype)
+        sq = qc
+        if valid is not None:  # padded content is never read, not even multiplied by 0
+            keep = valid[:, None, :, None]
+            kc, vc = kc.where(keep, 0.0), vc.where(keep, 0.0)
+            if q.shape[2] == k.shape[2]:  # queries at padded positions score nothing
+                sq = qc.where(keep, 0.0)
+        with torch.no_grad():  # selection is discrete: no gradient
+            sq, sk = (sq.float(), kc.float()) if on_gpu_half else (sq, kc)
+            sel = select_blocks(sq.detach(), sk.detach(), valid, causal, scale, query_block=o.query_block,
+                                key_block=o.key_block, num_blocks=o.num_blocks, sinks=o.sinks, local=o.local,
+                                score=o.score)
+        out = _attend(qc, kc, vc, sel, valid, causal, scale, o)
+    return out.to(q.dtype)
+
+
+def _attend(q, k, v, sel, valid, causal, scale, o):
+    use_flex = o.backend == "flex" or (o.backend == "auto" and q.shape[2] >= FLEX_MIN_QUERIES and flex_available(q))
+    if use_flex:
+        if not flex_available(q):
+            raise ValueError("block_sparse: backend='flex' needs CUDA, or float32 CPU tensors without autograd "
+                             "(torch's CPU FlexAttention has no backward); use backend='gather'")
+        return attend_flex(q, k, v, sel, valid, causal, scale)
+    return attend_gathered(q, k, v, sel, valid, causal, scale)

@@ -1,0 +1,88 @@
+"""block_sparse against its naive reference (naive.py), its two forms against each other, and
+what is special to it: causal selection from earlier queries only, ties, the FlexAttention form."""
+
+import pytest
+import torch
+
+from conftest import qkv
+from subquad.ops.block_sparse import block_sparse_attention, select_blocks
+from subquad.ops.block_sparse.naive import block_sparse_attention_reference, selected_blocks
+from subquad.ops.softmax.naive import softmax_attention_reference
+
+SETTINGS = [
+    dict(query_block=4, key_block=2, num_blocks=2, sinks=1, local=1),
+    dict(query_block=2, key_block=8, num_blocks=1, sinks=0, local=0),
+    dict(query_block=8, key_block=4, num_blocks=3, sinks=2, local=2),
+]
+
+
+def _mask(b, m):
+    mask = torch.zeros(b, m, dtype=torch.bool)
+    mask[0, -2:] = True
+    mask[1, m // 3: m // 2 + 1] = True
+    return mask
+
+
+@pytest.mark.parametrize("score", ["mass", "mean"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [1, 7, 37, 64])
+def test_matches_naive(n, causal, score):
+    for m in (n,) if causal else (n, n + 5):
+        q, k, v = qkv(2, 2, n, 8, m=m)
+        mask = _mask(2, m)
+        for options in SETTINGS:
+            out = block_sparse_attention(q, k, v, key_padding_mask=mask, causal=causal, score=score, **options)
+            ref = block_sparse_attention_reference(q, k, v, mask, causal, score=score, **options)
+            torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_selection_equals_the_naive_sets():
+    q, k, _ = qkv(1, 2, 61, 8)
+    for causal in (False, True):
+        for options in SETTINGS:
+            sel = select_blocks(q, k, None, causal, 8 ** -0.5, score="mass", **options)
+            sets = selected_blocks(q, k, None, causal, **options)
+            for h in range(2):
+                for i, want in enumerate(sets[0][h]):
+                    got = set(sel.index[0, h, i][sel.valid[0, h, i]].tolist())
+                    assert got == want
+
+
+def test_everything_selected_is_softmax():
+    q, k, v = qkv(1, 2, 50, 8)
+    for causal in (False, True):
+        out = block_sparse_attention(q, k, v, causal=causal, query_block=4, key_block=4, num_blocks=16)
+        torch.testing.assert_close(out, softmax_attention_reference(q, k, v, causal=causal))
+
+
+def test_causal_block_is_scored_by_the_queries_before_it():
+    """Changing the queries of block i changes the key choice of block i + 1, never of block i."""
+    q, k, v = qkv(1, 1, 64, 8)
+    options = dict(query_block=8, key_block=4, num_blocks=1, sinks=0, local=0)
+    base = select_blocks(q, k, None, True, 1.0, score="mass", **options)
+    q2 = q.clone()
+    q2[:, :, 24:32] = 10 * torch.randn(1, 1, 8, 8, dtype=q.dtype)  # block 3's queries
+    moved = select_blocks(q2, k, None, True, 1.0, score="mass", **options)
+    assert torch.equal(base.index[..., :4, :], moved.index[..., :4, :])  # blocks 0 .. 3 keep their keys
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True])
+def test_flex_form_equals_gathered_form(causal):
+    """The FlexAttention form (compiled; float32 CPU inference) computes what the gathered form
+    computes, with padding and a length off the bucket."""
+    n = 2500
+    q, k, v = qkv(2, 2, n, 64, dtype=torch.float32)
+    mask = torch.zeros(2, n, dtype=torch.bool)
+    mask[1, -300:] = True
+    mask[1, 100:140] = True
+    for m in (None, mask):
+        a = block_sparse_attention(q, k, v, causal=causal, key_padding_mask=m, backend="flex")
+        b = block_sparse_attention(q, k, v, causal=causal, key_padding_mask=m, backend="gather")
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_flex_refuses_autograd_on_cpu():
+    q, k, v = qkv(1, 1, 16, 8, dtype=torch.float32, requires_grad=True)
+    with pytest.raises(ValueError, match="backend='gather'"):
+        block_sparse_attention(q, k, v, backend="flex")
