@@ -151,6 +151,42 @@ def test_padding_invariance_cross(method):
     torch.testing.assert_close(out2, out, rtol=0, atol=1e-12)
 
 
+def _poison(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(B, H, L, d)`` with NaN, +inf and -inf in turn at the positions where ``where``
+    ``(B, L)`` is True (whole vectors and single entries)."""
+    x = x.clone()
+    rows, cols = where.nonzero(as_tuple=True)
+    for i, (b, t) in enumerate(zip(rows.tolist(), cols.tolist())):
+        value = (float("nan"), float("inf"), float("-inf"))[i % 3]
+        if i % 2:
+            x[b, :, t, i % x.shape[-1]] = value
+        else:
+            x[b, :, t] = value
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("length", [12, 300])
+@pytest.mark.parametrize("shape", ["self", "causal", "cross"])
+def test_padding_nonfinite_never_reaches_an_output(method, shape, length, dtype):
+    """NaN and +-inf at padded key and value positions (padding at the end, in the middle, a whole
+    row): every output at a real query is finite and what the clean inputs give, and the fully
+    padded row outputs zeros. Padded content must be dropped (``torch.where``), not multiplied by 0
+    (NaN * 0 = NaN). Two lengths: methods that fall back to exact attention on short inputs run
+    their own path on the longer one."""
+    causal, cross = shape == "causal", shape == "cross"
+    _skip_unless(method, padding=True, causal=causal, cross=cross)
+    n, m = (length * 7 // 12, length) if cross else (length, length)
+    mask = _self_mask(m)
+    q, k, v = qkv(4, 2, n, 8, m=m, dv=6, dtype=dtype)
+    out = run_method(method, q, k, v, key_padding_mask=mask, causal=causal)
+    bad = run_method(method, q, _poison(k, mask), _poison(v, mask), key_padding_mask=mask, causal=causal)
+    real = slice(None) if cross else ~mask[:, None, :, None].expand_as(out)
+    assert torch.isfinite(bad[real]).all()
+    torch.testing.assert_close(bad[real], out[real], rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-6)
+    assert torch.equal(bad[3], torch.zeros_like(bad[3]))
+
+
 def test_causal_queries_without_real_key_output_zero(method):
     """Causal attention with leading padding: a query whose visible keys (0..t) are all
     padding outputs exactly 0; every query that sees a real key outputs something non-zero."""

@@ -2,7 +2,9 @@
 
 Conventions (DESIGN.md): tensors are ``(B, H, N, D)``; ``key_padding_mask`` is a bool
 ``(B, M)`` tensor in which **True marks padding**; masked logits get a large finite negative
-value so that a fully padded row stays finite.
+value so that a fully padded row stays finite; whatever a padded key or value holds (NaN and
+inf included) reaches no output: an op drops it with :func:`drop_padded` (a ``torch.where``)
+wherever it would otherwise meet a weight of 0, since ``NaN * 0`` is NaN.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import Tensor
 __all__ = [
     "compute_dtype",
     "compute_precision",
+    "drop_padded",
     "masked_fill_value",
     "no_key_rows",
     "padding_bias",
@@ -66,6 +69,17 @@ def no_key_rows(
     else:
         rows = key_padding_mask.all(-1, keepdim=True).expand(-1, n_queries)
     return rows[:, None, :, None]
+
+
+def drop_padded(x: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+    """``x`` ``(B, H, M, d)`` with exact zeros at the positions ``key_padding_mask`` ``(B, M)``
+    marks (True = padding); ``x`` itself without a mask. A ``torch.where``, so NaN and inf at
+    padded keys or values are dropped too: multiplying by a 0/1 mask keeps them (``NaN * 0 =
+    NaN``), and so does a weight of 0 in a softmax product. One elementwise pass: apply it once
+    to k or v, not per use."""
+    if key_padding_mask is None:
+        return x
+    return x.masked_fill(key_padding_mask[:, None, :, None], 0.0)
 
 
 def padding_bias(key_padding_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ...registry import register_method
-from .._masks import compute_dtype, compute_precision, masked_fill_value, no_key_rows
+from .._masks import compute_dtype, compute_precision, drop_padded, masked_fill_value, no_key_rows
 
 __all__ = ["EfficientOptions", "efficient_attention", "flops"]
 
@@ -35,7 +35,8 @@ def efficient_attention(q, k, v, key_padding_mask, causal, scale):
     """Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
 
     The method has no logit scale: ``scale`` must be None. Padded keys get zero weight in the
-    softmax over the sequence; queries of a fully padded sequence output 0. Float32 math under
+    softmax over the sequence and their values are dropped (NaN or inf there reaches no output);
+    queries of a fully padded sequence output 0. Float32 math under
     autocast; returns the dtype of q.
     """
     if scale is not None:
@@ -47,7 +48,7 @@ def efficient_attention(q, k, v, key_padding_mask, causal, scale):
         if key_padding_mask is not None:
             kl = kl.masked_fill(key_padding_mask[:, None, :, None], masked_fill_value(dtype))
         ks = torch.softmax(kl, dim=-2)
-        out = qs @ (ks.transpose(-2, -1) @ v.to(dtype))
+        out = qs @ (ks.transpose(-2, -1) @ drop_padded(v.to(dtype), key_padding_mask))
         if key_padding_mask is not None:
             out = out.masked_fill(no_key_rows(key_padding_mask, q.shape[2], False), 0.0)
     return out.to(q.dtype)

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ...checks import check_int
 from ...registry import register_method
-from .._masks import compute_dtype
+from .._masks import compute_dtype, drop_padded
 from ..linear import _causal_chunked, kernel_attention
 
 __all__ = ["hedgehog_attention", "hedgehog_features", "windowed_kernel_attention", "HedgehogOptions", "flops"]
@@ -215,8 +215,8 @@ def windowed_kernel_attention(
     if n != m:
         raise ValueError("hedgehog: window > 0 needs equal query and key lengths")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if key_padding_mask is not None:
-        phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+    # padded features and values dropped (a NaN there times a weight of 0 is NaN)
+    phi_k, v = drop_padded(phi_k, key_padding_mask), drop_padded(v, key_padding_mask)
     v1 = F.pad(v, (0, 1), value=1.0)  # last column: the normaliser
     if causal:
         lin = _causal_chunked(phi_q, phi_k, v1, chunk_size)

@@ -22,7 +22,7 @@ from torch import Tensor
 from ...checks import check_bool, check_choice, check_float, check_int
 from ...registry import register_method
 from .._common import SMALL_WORK, check_generator, one_thread, randn
-from .._masks import compute_dtype, compute_precision, masked_fill_value, no_key_rows
+from .._masks import compute_dtype, compute_precision, drop_padded, masked_fill_value, no_key_rows
 from ..nystrom import segment_means
 from ..ra import noise_std
 
@@ -260,11 +260,13 @@ def lara_attention(
     M = k.shape[2]
     with compute_precision(q):
         qc, kc, vc = q.to(dtype), k.to(dtype), v.to(dtype)
+        # padded keys and values dropped once (a NaN there times its weight 0 is NaN)
+        kc, vc = drop_padded(kc, key_padding_mask), drop_padded(vc, key_padding_mask)
         query_pad = key_padding_mask if (key_padding_mask is not None and N == M) else None
         if q_landmarks is None:
             c = min(num_landmarks, N, M)
             q_land, _ = segment_means(qc, c, None if query_pad is None else ~query_pad)
-            k_land, _ = segment_means(kc, c, None if key_padding_mask is None else ~key_padding_mask)
+            k_land, _ = segment_means(kc, c, None if key_padding_mask is None else ~key_padding_mask, zeroed=True)
         else:
             for name, t in (("q_landmarks", q_landmarks), ("k_landmarks", k_landmarks)):
                 if t.shape[:2] != (B, H) or t.shape[3] != D or t.shape != q_landmarks.shape:

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ...checks import check_int
 from ...registry import register_method
-from .._masks import compute_dtype, compute_precision
+from .._masks import compute_dtype, compute_precision, drop_padded
 
 __all__ = ["linear_attention", "kernel_attention", "elu_feature_map", "LinearOptions", "flops"]
 
@@ -32,11 +32,11 @@ def kernel_attention(
     """Normalised attention with non-negative features.
 
     phi_q ``(B, H, N, F)``, phi_k ``(B, H, M, F)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
-    Padded keys are removed from numerator and normaliser alike. A query whose normaliser is 0
-    (it sees no real key) outputs 0.
+    Padded keys are removed from numerator and normaliser alike (their features and values
+    dropped, so NaN or inf there reaches no output). A query whose normaliser is 0 (it sees no
+    real key) outputs 0.
     """
-    if key_padding_mask is not None:
-        phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+    phi_k, v = drop_padded(phi_k, key_padding_mask), drop_padded(v, key_padding_mask)
     if causal:
         # one chunked pass gives numerator and normaliser: v gets a column of ones
         out = _causal_chunked(phi_q, phi_k, F.pad(v, (0, 1), value=1.0), chunk_size)

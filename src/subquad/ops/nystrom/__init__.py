@@ -18,7 +18,7 @@ from torch import Tensor
 from ...checks import check_choice, check_int
 from ...registry import register_method
 from .._common import SMALL_WORK, one_thread
-from .._masks import compute_dtype, compute_precision, no_key_rows, padding_bias
+from .._masks import compute_dtype, compute_precision, drop_padded, no_key_rows, padding_bias
 from ..softmax import flops as softmax_flops
 from ..softmax import sdpa
 
@@ -44,19 +44,22 @@ def _segment_sum(x: Tensor, m: int) -> Tensor:
     return torch.cat([head, tail], dim=-2)
 
 
-def segment_means(x: Tensor, m: int, keep: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+def segment_means(x: Tensor, m: int, keep: Tensor | None = None, *,
+                  zeroed: bool = False) -> tuple[Tensor, Tensor | None]:
     """Landmarks: means of x ``(B, H, n, d)`` over m contiguous segments -> ``(B, H, m, d)``.
 
     With ``keep`` (bool ``(B, n)``, True = real token) the means are masked means over real
-    tokens; the second result is then a bool ``(B, m)`` marking empty segments (no real token;
-    their landmark is 0), else None.
+    tokens (what the others hold, NaN and inf included, is dropped by a ``torch.where``; with
+    ``zeroed=True`` the caller has made it 0 already, and the pass is skipped); the second result
+    is then a bool ``(B, m)`` marking empty segments (no real token; their landmark is 0), else
+    None.
     """
     n = x.shape[-2]
     if keep is None:
         lengths = torch.tensor(segment_lengths(n, m), dtype=x.dtype, device=x.device)
         return _segment_sum(x, m) / lengths[:, None], None
     w = keep.to(x.dtype)[:, None, :, None]
-    sums = _segment_sum(x * w, m)
+    sums = _segment_sum(x if zeroed else drop_padded(x, ~keep), m)
     counts = _segment_sum(w, m)  # (B, 1, m, 1)
     means = sums / counts.clamp_min(1.0)
     return means, (counts == 0)[:, 0, :, 0]
@@ -151,10 +154,12 @@ def nystrom_attention(q, k, v, key_padding_mask, causal, scale, *, num_landmarks
         qc, kc, vc = q.to(dtype), k.to(dtype), v.to(dtype)
         if m >= min(n, m_keys):  # exact attention is the cheaper path here
             return sdpa(qc, kc, vc, key_padding_mask, False, scale).to(q.dtype)
+        # padded keys and values dropped once (NaN * weight 0 is NaN): for the landmarks and the SDPA below
+        kc, vc = drop_padded(kc, key_padding_mask), drop_padded(vc, key_padding_mask)
         keep_k = None if key_padding_mask is None else ~key_padding_mask
         keep_q = keep_k if n == m_keys else None
         q_land, empty_q = segment_means(qc, m, keep_q)
-        k_land, empty_k = segment_means(kc, m, keep_k)
+        k_land, empty_k = segment_means(kc, m, keep_k, zeroed=True)
         # A = softmax(q~ k~^T) over the real key landmarks; empty landmarks become identity
         # rows/columns, so the pinv inverts the block of real landmarks and leaves them out
         a_logits = (q_land * scale) @ k_land.transpose(-2, -1)

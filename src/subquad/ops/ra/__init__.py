@@ -37,7 +37,7 @@ from torch import Tensor
 from ...checks import check_choice, check_int
 from ...registry import register_method
 from .._common import check_generator, randn
-from .._masks import compute_dtype, compute_precision, no_key_rows, padding_bias
+from .._masks import compute_dtype, compute_precision, drop_padded, no_key_rows, padding_bias
 
 __all__ = ["RaOptions", "flops", "noise_std", "ra_attention", "ra_samples"]
 
@@ -171,6 +171,8 @@ def ra_attention(q, k, v, key_padding_mask, causal, scale, *, num_samples, noise
     B, H, N, _ = q.shape
     with compute_precision(q):
         qc, kc, vc = q.to(dtype), k.to(dtype), v.to(dtype)
+        # padded keys and values dropped (a NaN there times its weight 0 is NaN)
+        kc, vc = drop_padded(kc, key_padding_mask), drop_padded(vc, key_padding_mask)
         root = math.sqrt(scale)
         k_paper = kc * root
         if estimator == "mixture_mean":

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ...checks import check_float
 from ...registry import register_method
-from .._masks import masked_fill_value, no_key_rows, sdpa_dtype
+from .._masks import drop_padded, masked_fill_value, no_key_rows, sdpa_dtype
 
 __all__ = ["SoftmaxOptions", "attention_bias", "flops", "softmax_attention"]
 
@@ -58,7 +58,8 @@ def softmax_attention(q, k, v, key_padding_mask, causal, scale, *, dropout_p):
     """Exact attention ``softmax(s q k^T) v`` through ``F.scaled_dot_product_attention``.
 
     Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
-    Padded keys get a finite large negative logit; queries that see no real key output 0.
+    Padded keys get a finite large negative logit and their keys and values are dropped (NaN or
+    inf there reaches no output); queries that see no real key output 0.
     """
     return sdpa(q, k, v, key_padding_mask, causal, scale, dropout_p)
 
@@ -73,6 +74,7 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None
             q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale
         )
     n, m = q.shape[2], k.shape[2]
+    k, v = drop_padded(k, key_padding_mask), drop_padded(v, key_padding_mask)  # a NaN there * weight 0 is NaN
     bias = attention_bias(key_padding_mask, n, m, causal, sdpa_dtype(q), q.device)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
     return out.masked_fill(no_key_rows(key_padding_mask, n, causal), 0.0)
