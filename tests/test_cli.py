@@ -354,3 +354,15 @@ def test_compare_in_float16_shows_progress_at_once_and_finishes():
     assert first_output < 30, f"nothing on stderr for {first_output:.0f} s"  # torch's import included
     assert "subquad compare" in first + err and "linear" in out
     assert time.perf_counter() - start < 300
+
+
+def test_methods_name_says_what_none_means(capsys):
+    """An option whose default is None points to the options' docstring, printed as plain text:
+    hybrid's says its parts are derived from the budget when None."""
+    code, out, _ = run_cli(["methods", "hybrid"], capsys)
+    assert code == 0
+    assert "  window = None  (what None means: below)" in out
+    text = " ".join(out.split("what the options mean (HybridOptions):")[1].split())
+    assert "derived from the budget when None" in text and "``" not in text
+    code, out, _ = run_cli(["methods", "efficient"], capsys)  # no options: no docstring section
+    assert code == 0 and "what the options mean" not in out

@@ -2,12 +2,18 @@
 one method's summary and options with their defaults.
 
     subquad methods              # one line per method: kind, cost, causal, cross, padding
-    subquad methods hybrid       # hybrid's summary and every option with its default
+    subquad methods hybrid       # hybrid's summary, every option with its default, and what they mean
+
+An option whose default is None is resolved when the op runs (hybrid's ``window``: from the
+budget) or stands for something absent (a ``generator``: torch's global one); the options'
+docstring, printed after them, says which.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
+import re
 
 __all__ = ["add_parser", "run_methods", "COMMAND_HELP"]
 
@@ -48,11 +54,26 @@ def run_methods(args: argparse.Namespace) -> int:
     except ValueError as e:
         args.subparser.error(str(e))
     print(f"{info.name} ({info.kind}, {info.complexity}): {info.summary}")
-    for name, default in info.option_defaults().items():
-        print(f"  {name} = {default!r}")
+    defaults = info.option_defaults()
+    for name, default in defaults.items():
+        print(f"  {name} = {default!r}" + ("  (what None means: below)" if default is None else ""))
     module = info.module_option_defaults() if info.kind == "attention" else {}
     if module:
         print("options of its MultiheadAttention layer:")
         for name, default in module.items():
             print(f"  {name} = {default!r}")
+    doc = plain_doc(info.options)
+    if doc and defaults:
+        print(f"\nwhat the options mean ({info.options.__name__}):")
+        print("\n".join(f"  {line}".rstrip() for line in doc.splitlines()))
     return 0
+
+
+def plain_doc(cls: type) -> str:
+    """``cls``'s own docstring as plain text (reST roles and double backticks dropped), or "" for
+    none (a dataclass without one gets its signature as ``__doc__``)."""
+    doc = cls.__dict__.get("__doc__") or ""
+    if not doc or doc.startswith(f"{cls.__name__}("):
+        return ""
+    doc = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", inspect.cleandoc(doc))
+    return doc.replace("``", "")
