@@ -167,3 +167,20 @@ def test_save_pretrained_refuses_trained_tensors(tmp_path):
         H.save_pretrained(model, tmp_path)
     with pytest.raises(ValueError, match="retrofitted"):
         H.save_pretrained(tiny_llama(), tmp_path)
+
+
+def test_save_pretrained_writes_a_gguf_read_model_whose_weights_were_unpacked(tmp_path):
+    """A model read from a GGUF file and unpacked to plain weights at load (SmolLM2 by
+    subquad.pretrained.load_smollm) is saved as an ordinary model; its quantizer is put back after."""
+    import types
+
+    model = H.retrofit(tiny_llama(), "linear")
+    quantizer = types.SimpleNamespace(quantization_config=types.SimpleNamespace(quant_method="gguf"),
+                                      packed_modules={})
+    model.hf_quantizer = quantizer
+    H.save_pretrained(model, tmp_path / "plain")
+    assert model.hf_quantizer is quantizer
+    assert "quantization_config" not in json.loads((tmp_path / "plain" / "config.json").read_text())
+    quantizer.packed_modules = {"model.layers.0.mlp.up_proj": None}  # weights still in GGUF blocks: refused
+    with pytest.raises(ValueError, match="not serializable"):
+        H.save_pretrained(model, tmp_path / "packed")

@@ -24,6 +24,7 @@ instead gives ``generate`` the methods' own :class:`~subquad.hf.cache.StateCache
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from pathlib import Path
@@ -135,5 +136,33 @@ def save_pretrained(model: nn.Module, directory: str | Path, **kwargs: Any) -> P
             raise ValueError(f"the model's config has no {name} (the retrofit writes it); was it removed?")
     state = {k: v for k, v in model.state_dict().items() if ".subquad_retrofit." not in f".{k}"}
     directory = Path(directory)
-    model.save_pretrained(directory, state_dict=state, **kwargs)
+    with _unpacked_gguf(model):
+        model.save_pretrained(directory, state_dict=state, **kwargs)
     return directory
+
+
+@contextlib.contextmanager
+def _unpacked_gguf(model: nn.Module):
+    """A model read from a GGUF file whose weights were all unpacked at load (no packed GGUF
+    module left: ``subquad.pretrained.load_smollm``'s float32 SmolLM2) is an ordinary model that
+    transformers still marks as quantized, and so refuses to save: its GGUF quantizer and
+    quantization config are set aside while it is written, so that the directory holds the plain
+    weights and reloads without the GGUF file. Other models pass through unchanged."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    packed = getattr(quantizer, "packed_modules", None) or any(type(m).__name__.startswith("Gguf")
+                                                                 for m in model.modules())
+    if quantizer is None or getattr(method, "value", method) != "gguf" or packed:
+        yield
+        return
+    kept = {"hf_quantizer": quantizer}
+    del model.hf_quantizer
+    if hasattr(model.config, "quantization_config"):
+        kept["quantization_config"] = model.config.quantization_config
+        del model.config.quantization_config
+    try:
+        yield
+    finally:
+        model.hf_quantizer = quantizer
+        if "quantization_config" in kept:
+            model.config.quantization_config = kept["quantization_config"]
