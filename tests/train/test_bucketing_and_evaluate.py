@@ -118,6 +118,9 @@ def test_evaluate_agrees_with_the_trainer(finished_run, data_dir, capsys):
     assert status == 0
     final = json.loads(lines[-1])
     assert final["accuracy"] == results["test_accuracy"] and final["n"] == 40
+    # the line before it: the accuracy as a percentage, as train prints it
+    assert lines[-2].startswith(f"test accuracy {100 * results['test_accuracy']:.2f}%, loss ")
+    assert "on 40 samples (nystrom, step 9)" in lines[-2]
     # the same float32 losses, summed in another order on some torch builds (2.11: 2e-8 apart)
     assert final["method"] == "nystrom" and final["step"] == 9 and final["loss"] == pytest.approx(
         results["test_loss"], rel=1e-6)

@@ -84,8 +84,9 @@ _COMMANDS = {
     "evaluate": ("evaluate a trained model on a task",
                  "Rebuild the model from the config saved in a model file (model.pt, best.pt or checkpoint.pt of "
                  "a `train` run; read with weights_only), evaluate it on a split with the run's input pipeline and "
-                 "task options, and print one JSON object as the last line of stdout (accuracy as a fraction, "
-                 "loss, n, the task's own scores such as a segmentation's miou, method, step, split, checkpoint)."),
+                 "task options, print the accuracy as a percentage (as train does), then one JSON object as the "
+                 "last line of stdout (accuracy as a fraction, loss, n, the task's own scores such as a "
+                 "segmentation's miou, method, step, split, checkpoint)."),
 }
 #: the commands of this module and their one-line help (``subquad --help`` reads it without the parsers,
 #: which import the tasks and so torch)
@@ -373,6 +374,9 @@ def run_evaluate(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, FileNotFoundError, RuntimeError, KeyError) as e:
         print(f"evaluate {args.task}: error: {e}", file=sys.stderr)
         return 2
+    shown = "".join(f", {name} {100 * scores[name]:.2f}%" for name in task.scores)
+    print(f"{args.split} accuracy {100 * scores['accuracy']:.2f}%{shown}, loss {scores['loss']:.4f} on {scores['n']} "
+          f"{'labels' if task.per_token else 'samples'} ({cfg.method}, step {int(saved.get('step', -1))})")
     print(json.dumps({**scores, "method": cfg.method,
                       "method_options": cfg.method_options, "step": int(saved.get("step", -1)),
                       "split": args.split, "checkpoint": str(args.checkpoint)}))
