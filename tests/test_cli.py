@@ -366,3 +366,18 @@ def test_methods_name_says_what_none_means(capsys):
     assert "derived from the budget when None" in text and "``" not in text
     code, out, _ = run_cli(["methods", "efficient"], capsys)  # no options: no docstring section
     assert code == 0 and "what the options mean" not in out
+
+
+def test_train_help_shows_the_presets_values(capsys):
+    """``train TASK --help``: the values of the task's preset, no --data for a task generated in
+    memory (ListOps reads files: it keeps it), no reST markup."""
+    code, out, _ = run_cli(["train", "mqar", "--help"], capsys)
+    assert code == 0
+    text = " ".join(out.split())
+    assert "--layers LAYERS default: 2, preset mqar" in text and "--betas B1 B2 default: 0.9 0.98, preset mqar" in text
+    assert "(default: 3, preset mqar)" in text and "(default: 250, preset mqar)" in text  # conv kernel, eval every
+    assert "--data" not in out and "``" not in out and ":func:" not in out
+    code, out, _ = run_cli(["evaluate", "mqar", "--help"], capsys)
+    assert code == 0 and "--data" not in out
+    code, out, _ = run_cli(["train", "listops", "--help"], capsys)
+    assert code == 0 and "--data DATA" in out and "default: 2, preset nystromformer" in " ".join(out.split())

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import ast
+import inspect
 import json
+import re
 import sys
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["parse_value", "DefaultsFormatter", "OptionError", "add_option_argument", "split_option",
+__all__ = ["parse_value", "plain_text", "DefaultsFormatter", "OptionError", "add_option_argument", "split_option",
            "single_method_options", "multi_method_options", "deprecated", "command_parser", "run_command"]
 
 
@@ -42,6 +44,12 @@ class DefaultsFormatter(argparse.HelpFormatter):
         if "default" in text or action.default in (None, False, [], argparse.SUPPRESS) or not action.option_strings:
             return text
         return text + " (default: %(default)s)"
+
+
+def plain_text(doc: str) -> str:
+    """A docstring for a terminal: dedented, with reST roles (``:func:`x``` -> ``x``) and double
+    backticks dropped."""
+    return re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", inspect.cleandoc(doc)).replace("``", "")
 
 
 class OptionError(ValueError):

@@ -12,8 +12,8 @@ docstring, printed after them, says which.
 from __future__ import annotations
 
 import argparse
-import inspect
-import re
+
+from .cli_base import plain_text
 
 __all__ = ["add_parser", "run_methods", "COMMAND_HELP"]
 
@@ -73,7 +73,4 @@ def plain_doc(cls: type) -> str:
     """``cls``'s own docstring as plain text (reST roles and double backticks dropped), or "" for
     none (a dataclass without one gets its signature as ``__doc__``)."""
     doc = cls.__dict__.get("__doc__") or ""
-    if not doc or doc.startswith(f"{cls.__name__}("):
-        return ""
-    doc = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", inspect.cleandoc(doc))
-    return doc.replace("``", "")
+    return "" if not doc or doc.startswith(f"{cls.__name__}(") else plain_text(doc)

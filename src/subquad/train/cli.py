@@ -21,14 +21,15 @@ release, with a deprecation notice on stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
-from ..cli_base import (add_option_argument, command_parser, deprecated, run_command, single_method_options,
-                        split_option)
+from ..cli_base import (add_option_argument, command_parser, deprecated, plain_text, run_command,
+                        single_method_options, split_option)
 
 __all__ = ["COMMAND_HELP", "add_parser", "add_data_parser", "add_train_parser", "add_evaluate_parser",
            "method_options", "parse_method_options", "build_parser", "main"]
@@ -107,7 +108,7 @@ def _task_parsers(subparsers, command: str, tasks: tuple[str, ...] | None = None
     sub.required = True
     out = []
     for task in tasks:
-        doc = (get_task(task).__doc__ or task).strip()
+        doc = " ".join(plain_text(get_task(task).__doc__ or task).split())
         p = sub.add_parser(task, help=doc.split(".")[0], description=f"{description} {doc}", **kwargs)
         p.set_defaults(subparser=p, task=task)
         out.append(p)
@@ -194,18 +195,57 @@ def add_train_parser(subparsers) -> list[argparse.ArgumentParser]:
         add_option_argument(p, "num_landmarks=64")
         p.add_argument("-t", "--task-option", action="append", default=[], metavar="NAME=VALUE",
                        help="a task option (repeatable), e.g. -t num_pairs=32")
-        p.add_argument("--preset", default=get_task(task).preset, choices=sorted(PRESETS),
-                       help="default: %(default)s")
-        p.add_argument("--data", default=f"out/data/{task}", help="data directory (default: %(default)s)")
+        preset = get_task(task).preset
+        p.add_argument("--preset", default=preset, choices=sorted(PRESETS),
+                       help="the model and optimisation values of the options left unset (default: %(default)s)")
+        _add_data_argument(p, task)
         p.add_argument("--out", default=None, help=f"run directory (default: out/{task}/METHOD)")
-        _add_model_arguments(p.add_argument_group("model and optimisation (default: the preset's)"))
-        _add_run_arguments(p.add_argument_group("run"))
+        _add_model_arguments(_PresetGroup(p.add_argument_group(
+            f"model and optimisation (default: the value of --preset; shown: preset {preset})"), preset))
+        _add_run_arguments(p.add_argument_group("run"), preset)
         # accepts_extra: the deprecated trailing --name VALUE method options reach run_train
         p.set_defaults(func=run_train, accepts_extra=True)
     return parsers
 
 
-def _add_model_arguments(g) -> None:
+def _add_data_argument(p: argparse.ArgumentParser, task: str) -> None:
+    """``--data DIR`` for a task that reads files; a task that generates its data in memory gets
+    the same default without the argument (its ``data_hint`` is empty)."""
+    from ..tasks import make_task
+
+    default = f"out/data/{task}"
+    try:
+        reads_files = bool(make_task(task, {}).data_hint(default))
+    except (ValueError, TypeError):  # a task without default options: offer the argument
+        reads_files = True
+    if reads_files:
+        p.add_argument("--data", default=default, help="data directory (default: %(default)s)")
+    else:
+        p.set_defaults(data=default)
+
+
+class _PresetGroup:
+    """An argument group for options that default to None (unset: the chosen ``--preset``'s value),
+    whose help states the value of ``preset``, the task's own."""
+
+    def __init__(self, group, preset: str):
+        from ..train.config import TrainConfig
+
+        self.group, self.preset = group, preset
+        self.values = dataclasses.asdict(TrainConfig.from_preset(preset))
+
+    def add_argument(self, flag: str, *args: Any, field: str | None = None, **kwargs: Any) -> None:
+        if "default" in kwargs:  # an option of its own, not the preset's
+            self.group.add_argument(flag, *args, **kwargs)
+            return
+        value = self.values[field or flag.lstrip("-").replace("-", "_")]
+        shown = "none" if value is None else " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+        text = f"default: {shown}, preset {self.preset}"
+        self.group.add_argument(flag, *args, help=f"{kwargs.pop('help')} ({text})" if "help" in kwargs else text,
+                                **kwargs)
+
+
+def _add_model_arguments(g: _PresetGroup) -> None:
     from ..train.config import SCHEDULES
 
     g.add_argument("--layers", type=int)
@@ -218,7 +258,8 @@ def _add_model_arguments(g) -> None:
     g.add_argument("--conv-kernel-size", type=int, help="a causal depthwise conv of this width before each mixer "
                    "(0: none)")
     g.add_argument("--dropout", type=float)
-    g.add_argument("--attn-dropout", type=float, help="dropout on attention weights (softmax only)")
+    g.add_argument("--attn-dropout", type=float, field="attention_dropout",
+                   help="dropout on attention weights (softmax only)")
     g.add_argument("--head-hidden", type=int, help="classifier hidden width (0: one linear layer)")
     g.add_argument("--batch-size", type=int, help="global batch size")
     g.add_argument("--lr", type=float)
@@ -228,7 +269,7 @@ def _add_model_arguments(g) -> None:
     g.add_argument("--weight-decay", type=float)
     g.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"))
     g.add_argument("--eps", type=float)
-    g.add_argument("--grad-clip", type=float, help="max gradient norm (default: none)")
+    g.add_argument("--grad-clip", type=float, help="max gradient norm")
     g.add_argument("--pad-to", type=int, help="longest sequence; longer ones are truncated")
     g.add_argument("--batching", choices=("bucket", "pad"), default="bucket",
                    help="bucket: batches of similar length, each padded to its longest sample; pad: the "
@@ -237,8 +278,8 @@ def _add_model_arguments(g) -> None:
                    help="batches per pool sorted by length (default: %(default)s)")
 
 
-def _add_run_arguments(r) -> None:
-    r.add_argument("--eval-every", type=int, help="validate every K steps")
+def _add_run_arguments(r, preset: str) -> None:
+    _PresetGroup(r, preset).add_argument("--eval-every", type=int, help="validate every K steps")
     r.add_argument("--eval-samples", type=int,
                    help="validate and test on the first N samples of each split (default: all)")
     r.add_argument("--checkpoint-every", type=int, default=500, help="default: %(default)s")
@@ -335,7 +376,7 @@ def add_evaluate_parser(subparsers) -> list[argparse.ArgumentParser]:
     for p in parsers:
         task = p.get_default("task")
         p.add_argument("--checkpoint", required=True, help="model file of a run")
-        p.add_argument("--data", default=f"out/data/{task}", help="data directory (default: %(default)s)")
+        _add_data_argument(p, task)
         p.add_argument("--split", default="test", choices=("val", "test"), help="default: %(default)s")
         p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
         p.add_argument("--device", default="cpu", help="default: %(default)s")
