@@ -6,11 +6,12 @@ state instead of transformers' keys and values: the recurrent state of kernel at
 without a window), so a generated token costs the same time and memory at any context length; or
 a method's own state (``hybrid``: :class:`subquad.ops.hybrid.HybridDecodeState`, the keys and
 values with an index, so a token costs about its budget and the log of the context).
-:func:`decoding_cache` picks the cache a retrofitted model
-decodes with::
+:func:`decoding_cache` picks the cache a retrofitted model decodes with, and a retrofitted decoder
+gets it with nothing passed (:mod:`subquad.hf.decoding`)::
 
     model = subquad.hf.retrofit(model, "linear")
-    out = model.generate(ids, cache=subquad.hf.decoding_cache(model), max_new_tokens=64)
+    out = model.generate(ids, max_new_tokens=64)             # through a StateCache
+    out = model.generate(ids, cache=subquad.hf.decoding_cache(model), max_new_tokens=64)  # the same, by hand
 
 transformers 5.24 renamed the models' cache argument from ``past_key_values`` to ``cache``:
 before 5.24 pass ``past_key_values=`` instead (:data:`CACHE_ARGUMENT` is the installed version's

@@ -356,8 +356,13 @@ def retrofit(model: nn.Module, method: str, **options: Any) -> nn.Module:
             the samples of ``ra``/``lara``).
 
     Returns the same model. Pretrained weights are not modified; each attention module gains a
-    child ``subquad_retrofit``. Raises ``NotImplementedError`` for a decoder (causal attention)
-    with a method that is not causal, and ``ValueError`` for an unknown method or option.
+    child ``subquad_retrofit``, and the config the fields ``subquad_method`` and
+    ``subquad_options`` (:data:`CONFIG_FIELDS`, for :func:`subquad.hf.save_pretrained`). A decoder
+    then decodes through its method's own cache with nothing passed to ``generate`` or to a
+    forward with ``use_cache`` (:mod:`subquad.hf.decoding`); a method that cannot decode from a
+    cache warns here and switches ``use_cache`` off. Raises ``NotImplementedError`` for a decoder
+    (causal attention) with a method that is not causal, and ``ValueError`` for an unknown method
+    or option.
     """
     from transformers import PreTrainedModel
 
