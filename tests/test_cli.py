@@ -313,7 +313,7 @@ def test_a_slow_dtype_is_announced_before_the_points(capsys, monkeypatch):
     from subquad.compare import flops
     from subquad.compare.flops import Roof
 
-    def roof(device, dtype, *, max_seconds, min_run_time=1.0):
+    def roof(device, dtype, *, max_seconds, size=None, min_run_time=1.0):
         if dtype == torch.float32:
             return Roof(1e11, 2048, {256: 0.001, 512: 0.008}, 0.1)
         return Roof(None, 256, {256: 0.05}, 0.1)

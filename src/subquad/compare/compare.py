@@ -332,20 +332,22 @@ def _derived(rows: list[dict[str, Any]], rates: dict[str, float]) -> None:
 SLOW_DTYPE = 2.0
 
 
-def _matmul_rates(device: torch.device, dtype: torch.dtype, config: Config, bar) -> tuple[dict, dict]:
-    """This machine's matmul rate in float32, and in the run's dtype when that differs (as
-    ``run_dtype``; None when even a 256 x 256 product would not fit), each measured within
-    ``--max-call-seconds`` at the largest square size that fits (:func:`~subquad.compare.flops.bounded_matmul_rate`),
-    announced on ``bar``. Returns ``(rates, roofs)``: FLOP/s, and the :class:`~subquad.compare.flops.Roof`
-    of each."""
+def _matmul_rates(device: torch.device, dtype: torch.dtype, config: Config, bar,
+                  sizes: dict[str, int] | None = None) -> dict[str, Any]:
+    """The :class:`~subquad.compare.flops.Roof` of this machine's matmul in float32, and in the
+    run's dtype when that differs (as ``run_dtype``; its rate None when even a 256 x 256 product
+    would not fit), each measured within ``--max-call-seconds`` at the largest square size that fits
+    (:func:`~subquad.compare.flops.bounded_matmul_rate`; at most ``sizes[key]``, an earlier
+    measurement's), announced on ``bar``."""
     roofs = {}
     for key, dt in (("float32", torch.float32), ("run_dtype", dtype)):
         if key == "run_dtype" and dtype == torch.float32:
             break
         bar.set_postfix_str(f"this machine's {str(dt).removeprefix('torch.')} matmul rate")
         roofs[key] = flop_counts.bounded_matmul_rate(device, dt, max_seconds=config.max_call_seconds,
+                                                     size=(sizes or {}).get(key),
                                                      min_run_time=2 * config.min_run_time)
-    return {key: roof.rate for key, roof in roofs.items()}, roofs
+    return roofs
 
 
 def _roof_notes(config: Config, roofs: dict) -> list[str]:
@@ -428,7 +430,7 @@ def run(config: Config, *, show_progress: bool = True, real_errors: dict[str, An
     history: dict[str, dict[int, dict[str, Any]]] = {i.name: {} for i in infos}
     bar = progress_bar(len(config.ns) * len(infos), "subquad compare", show_progress)  # shown before any work
     try:
-        rates, roofs = _matmul_rates(device, dtype, config, bar)
+        roofs = _matmul_rates(device, dtype, config, bar)
         notes = _roof_notes(config, roofs)
         for note in notes:  # up front, before the points
             bar.write(f"subquad compare: {note}", file=sys.stderr)
@@ -440,10 +442,11 @@ def run(config: Config, *, show_progress: bool = True, real_errors: dict[str, An
                 rows.append(row)
                 bar.update(1)
             del reference
-        # the roof again after the points: one measured while something else ran reads low, and every
-        # achieved rate would then read high against it
-        again, _ = _matmul_rates(device, dtype, config, bar)
-        rates = {k: None if v is None else max(v, again[k] or 0.0) for k, v in rates.items()}
+        # the roof again after the points, at the same sizes: one measured while something else ran
+        # reads low, and every achieved rate would then read high against it
+        again = _matmul_rates(device, dtype, config, bar, sizes={k: r.size for k, r in roofs.items() if r.rate})
+        rates = {k: None if r.rate is None else max(r.rate, again[k].rate or 0.0) if again[k].size == r.size
+                 else r.rate for k, r in roofs.items()}
     finally:
         bar.close()
     _derived(rows, rates)
