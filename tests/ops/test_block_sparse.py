@@ -40,8 +40,8 @@ def test_selection_equals_the_naive_sets():
     q, k, _ = qkv(1, 2, 61, 8)
     for causal in (False, True):
         for options in SETTINGS:
-            sel = select_blocks(q, k, None, causal, 8 ** -0.5, score="mass", **options)
-            sets = selected_blocks(q, k, None, causal, **options)
+            sel = select_blocks(q, k, causal, 8 ** -0.5, score="mass", **options)
+            sets = selected_blocks(q, k, causal, **options)
             for h in range(2):
                 for i, want in enumerate(sets[0][h]):
                     got = set(sel.index[0, h, i][sel.valid[0, h, i]].tolist())
@@ -59,10 +59,10 @@ def test_causal_block_is_scored_by_the_queries_before_it():
     """Changing the queries of block i changes the key choice of block i + 1, never of block i."""
     q, k, v = qkv(1, 1, 64, 8)
     options = dict(query_block=8, key_block=4, num_blocks=1, sinks=0, local=0)
-    base = select_blocks(q, k, None, True, 1.0, score="mass", **options)
+    base = select_blocks(q, k, True, 1.0, score="mass", **options)
     q2 = q.clone()
     q2[:, :, 24:32] = 10 * torch.randn(1, 1, 8, 8, dtype=q.dtype)  # block 3's queries
-    moved = select_blocks(q2, k, None, True, 1.0, score="mass", **options)
+    moved = select_blocks(q2, k, True, 1.0, score="mass", **options)
     assert torch.equal(base.index[..., :4, :], moved.index[..., :4, :])  # blocks 0 .. 3 keep their keys
 
 
@@ -86,3 +86,17 @@ def test_flex_refuses_autograd_on_cpu():
     q, k, v = qkv(1, 1, 16, 8, dtype=torch.float32, requires_grad=True)
     with pytest.raises(ValueError, match="backend='gather'"):
         block_sparse_attention(q, k, v, backend="flex")
+
+
+def test_a_padded_item_computes_what_it_computes_alone():
+    q, k, v = qkv(1, 2, 40, 8)
+    options = dict(query_block=4, key_block=2, num_blocks=2)
+    for causal in (False, True):
+        alone = block_sparse_attention(q, k, v, causal=causal, **options)
+        pad = torch.zeros(1, 2, 5, 8, dtype=q.dtype)
+        mask = torch.zeros(1, 45, dtype=torch.bool)
+        mask[0, :5] = True  # left padding, as a batched decoder has
+        batch = block_sparse_attention(*(torch.cat([pad, t], 2) for t in (q, k, v)), key_padding_mask=mask,
+                                       causal=causal, **options)
+        torch.testing.assert_close(batch[:, :, 5:], alone)
+        assert (batch[:, :, :5] == (0 if causal else alone[:, :, :1])).all()  # padded positions: defined

@@ -87,43 +87,59 @@ def flops(B, H, N, M, D, Dv, o):
     complexity="linear",
     flops=flops,
     test_options={"query_block": 4, "key_block": 2, "num_blocks": 2, "sinks": 1, "local": 1},
+    fullgraph_with_padding=False,  # padding is removed first: shapes from the mask
 )
 def block_sparse_attention(q, k, v, key_padding_mask, causal, scale, *, options: BlockSparseOptions):
     """Block-sparse attention (see the module docstring).
 
     Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
-    Causal: query ``i`` sees the keys at positions ``<= i``. Padded keys are never attended or
-    scored (their content never reaches an output); a query with no real key outputs zeros.
-    Computes in float32 (float64 stays float64) except on CUDA, where FlexAttention takes
-    half-precision inputs as they are (accumulating in float32); returns the dtype of q."""
-    o = options
+    Causal: query ``i`` sees the keys at positions ``<= i``. Padding is removed first: blocks are
+    counted over each item's real keys (and, in self-attention, its real queries), so a padded
+    batch computes what each item computes alone, and padded content never reaches an output; a
+    query at a padded position takes the output of the last real query before it (causal: zeros
+    when there is none; not causal: the first real query's), an item without real keys outputs
+    zeros. Computes in float32
+    (float64 stays float64) except on CUDA, where FlexAttention takes half-precision inputs as they
+    are (accumulating in float32); returns the dtype of q."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    valid = None if key_padding_mask is None else ~key_padding_mask
-    on_gpu_half = q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
-    dtype = q.dtype if on_gpu_half else compute_dtype(q.dtype)
+    half_on_gpu = q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+    dtype = q.dtype if half_on_gpu else compute_dtype(q.dtype)
     with compute_precision(q):
         qc, kc, vc = q.to(dtype), k.to(dtype), v.to(dtype)
-        sq = qc
-        if valid is not None:  # padded content is never read, not even multiplied by 0
-            keep = valid[:, None, :, None]
-            kc, vc = kc.where(keep, 0.0), vc.where(keep, 0.0)
-            if q.shape[2] == k.shape[2]:  # queries at padded positions score nothing
-                sq = qc.where(keep, 0.0)
-        with torch.no_grad():  # selection is discrete: no gradient
-            sq, sk = (sq.float(), kc.float()) if on_gpu_half else (sq, kc)
-            sel = select_blocks(sq.detach(), sk.detach(), valid, causal, scale, query_block=o.query_block,
-                                key_block=o.key_block, num_blocks=o.num_blocks, sinks=o.sinks, local=o.local,
-                                score=o.score)
-        out = _attend(qc, kc, vc, sel, valid, causal, scale, o)
+        if key_padding_mask is None or not bool(key_padding_mask.any()):
+            out = _attention(qc, kc, vc, causal, scale, options)
+        else:
+            out = torch.cat([_item(qc[b: b + 1], kc[b: b + 1], vc[b: b + 1], key_padding_mask[b], causal, scale, options)
+                             for b in range(q.shape[0])])
     return out.to(q.dtype)
 
 
-def _attend(q, k, v, sel, valid, causal, scale, o):
+def _item(q, k, v, padding, causal, scale, o):
+    """One item over its real keys (``padding`` ``(M,)``, True = padded); in self-attention over
+    its real queries too, and a query at a padded position takes the output of the last real query
+    before it (non-causal: of the first real query when none is before; causal: zeros)."""
+    keep = (~padding).nonzero().squeeze(-1)
+    if len(keep) == 0:
+        return q.new_zeros(*q.shape[:3], v.shape[-1])
+    k, v = k.index_select(2, keep), v.index_select(2, keep)
+    if q.shape[2] != padding.shape[0]:  # cross-attention: every query is real
+        return _attention(q, k, v, causal, scale, o)
+    out = _attention(q.index_select(2, keep), k, v, causal, scale, o)
+    rank = (~padding).cumsum(0) - 1  # the last real query at or before each position
+    out = out.index_select(2, rank.clamp_min(0))
+    return out.masked_fill((rank < 0).view(-1, 1), 0.0) if causal else out
+
+
+def _attention(q, k, v, causal, scale, o):
+    with torch.no_grad():  # selection is discrete: no gradient
+        sq, sk = (q.float(), k.float()) if q.dtype in (torch.float16, torch.bfloat16) else (q, k)
+        sel = select_blocks(sq.detach(), sk.detach(), causal, scale, query_block=o.query_block, key_block=o.key_block,
+                            num_blocks=o.num_blocks, sinks=o.sinks, local=o.local, score=o.score)
     use_flex = o.backend == "flex" or (o.backend == "auto" and q.shape[2] >= FLEX_MIN_QUERIES and flex_available(q))
     if use_flex:
         if not flex_available(q):
             raise ValueError("block_sparse: backend='flex' needs CUDA, or float32 CPU tensors without autograd "
                              "(torch's CPU FlexAttention has no backward); use backend='gather'")
-        return attend_flex(q, k, v, sel, valid, causal, scale)
-    return attend_gathered(q, k, v, sel, valid, causal, scale)
+        return attend_flex(q, k, v, sel, causal, scale)
+    return attend_gathered(q, k, v, sel, causal, scale)

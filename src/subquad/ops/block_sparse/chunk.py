@@ -32,18 +32,16 @@ def _gather(x: Tensor, index: Tensor) -> Tensor:
     return x.reshape(B * H * nk, KB, d).index_select(0, flat).view(*index.shape[:3], index.shape[3] * KB, d)
 
 
-def attend_gathered(q: Tensor, k: Tensor, v: Tensor, sel: Selection, key_valid: Tensor | None, causal: bool,
-                    scale: float) -> Tensor:
+def attend_gathered(q: Tensor, k: Tensor, v: Tensor, sel: Selection, causal: bool, scale: float) -> Tensor:
     """Softmax attention of each query over the keys of its block's selected key blocks
-    (``sel``), minus padded keys (``key_valid`` ``(B, M)``: True at real keys) and, causal,
-    keys after it. A query with no such key outputs zeros. -> ``(B, H, N, Dv)``."""
+    (``sel``), causal: those at or before it. A query with no such key outputs zeros.
+    -> ``(B, H, N, Dv)``."""
     B, H, N, D = q.shape
     M, Dv = k.shape[2], v.shape[-1]
     QB, KB = sel.query_block, sel.key_block
     qb, kb, vb = _blocked(q, QB), _blocked(k, KB), _blocked(v, KB)
     nq, nk = qb.shape[2], kb.shape[2]
-    real = torch.ones(B, M, dtype=torch.bool, device=q.device) if key_valid is None else key_valid
-    real = F.pad(real, (0, nk * KB - M)).view(B, nk, KB)
+    real = (torch.arange(nk * KB, device=q.device) < M).view(nk, KB)  # positions that hold a key
     L = sel.index.shape[-1]
     step = max(1, _CHUNK_BYTES // max(1, B * H * L * KB * (D + Dv + QB) * q.element_size()))
     neg = masked_fill_value(q.dtype)
@@ -52,7 +50,7 @@ def attend_gathered(q: Tensor, k: Tensor, v: Tensor, sel: Selection, key_valid: 
         index, valid = sel.index[:, :, a: a + step], sel.valid[:, :, a: a + step]
         c = index.shape[2]
         keys, values = _gather(kb, index), _gather(vb, index)
-        ok = real[torch.arange(B, device=q.device).view(B, 1, 1, 1), index] & valid.unsqueeze(-1)  # (B, H, c, L, KB)
+        ok = real[index] & valid.unsqueeze(-1)  # (B, H, c, L, KB)
         ok = ok.flatten(-2).unsqueeze(-2)  # (B, H, c, 1, L KB)
         if causal:
             pos = (index.unsqueeze(-1) * KB + torch.arange(KB, device=q.device)).flatten(-2)

@@ -8,65 +8,54 @@ import math
 import torch
 
 
-def selected_blocks(q, k, key_padding_mask=None, causal=False, scale=None, *, query_block=128, key_block=64,
-                    num_blocks=16, sinks=1, local=1, score="mass"):
+def selected_blocks(q, k, causal=False, scale=None, *, query_block=128, key_block=64, num_blocks=16, sinks=1,
+                    local=1, score="mass"):
     """``sel[b][h][i]``: the set of key blocks query block ``i`` attends (module docstring of
-    ``subquad.ops.block_sparse.select``), and for causal calls the diagonal ones among them."""
+    ``subquad.ops.block_sparse.select``), for unpadded q ``(B, H, N, D)``, k ``(B, H, M, D)``."""
     B, H, N, D = q.shape
     M = k.shape[2]
     scale = D ** -0.5 if scale is None else scale
-    real = torch.ones(B, M, dtype=torch.bool) if key_padding_mask is None else ~key_padding_mask
-    qreal = real if N == M else torch.ones(B, N, dtype=torch.bool)
     nq, nk = -(-N // query_block), -(-M // key_block)
     out = [[[set() for _ in range(nq)] for _ in range(H)] for _ in range(B)]
     for b in range(B):
         for h in range(H):
-            means, counts = [], []
-            for j in range(nk):
-                keys = [t for t in range(j * key_block, min(M, (j + 1) * key_block)) if real[b, t]]
-                counts.append(len(keys))
-                means.append(k[b, h, keys].mean(0) if keys else torch.zeros(D, dtype=k.dtype))
+            keys = [list(range(j * key_block, min(M, (j + 1) * key_block))) for j in range(nk)]
+            means = [k[b, h, ks].mean(0) for ks in keys]
             for i in range(nq):
                 first, last = i * query_block, min(N, (i + 1) * query_block) - 1
                 if causal:
                     past = min(first // key_block, nk)
-                    cands = [j for j in range(past) if counts[j]]
+                    cands = list(range(past))
                     forced = {j for j in cands if j < sinks or j >= past - local}
-                    scorers = [t for t in range(first - query_block, first) if t >= 0 and qreal[b, t]]
-                    diag = {j for j in range(past, nk) if j * key_block <= min(last, M - 1) and counts[j]}
+                    scorers = list(range(max(0, first - query_block), first))
+                    diag = {j for j in range(past, nk) if j * key_block <= min(last, M - 1)}
                 else:
-                    lo = max(0, first // key_block - local)
-                    hi = min(nk, -(-(last + 1) // key_block) + local)
-                    cands = [j for j in range(nk) if counts[j]]
+                    lo, hi = max(0, first // key_block - local), min(nk, -(-(last + 1) // key_block) + local)
+                    cands = list(range(nk))
                     forced = {j for j in cands if j < sinks or lo <= j < hi}
-                    scorers = [t for t in range(first, last + 1) if qreal[b, t]]
+                    scorers = list(range(first, last + 1))
                     diag = set()
                 scores = {}
                 for j in cands:
                     if score == "mean":
-                        qm = q[b, h, scorers].mean(0) if scorers else torch.zeros(D, dtype=q.dtype)
-                        scores[j] = float(scale * qm @ means[j])
-                    else:
-                        total = 0.0
-                        for t in scorers:
-                            logits = [float(scale * q[b, h, t] @ means[c]) + math.log(counts[c]) for c in cands]
-                            top = max(logits)
-                            z = sum(math.exp(x - top) for x in logits)
-                            total += math.exp(float(scale * q[b, h, t] @ means[j]) + math.log(counts[j]) - top) / z
-                        scores[j] = total
+                        scores[j] = float(scale * q[b, h, scorers].mean(0) @ means[j]) if scorers else 0.0
+                        continue
+                    total = 0.0
+                    for t in scorers:
+                        logits = [float(scale * q[b, h, t] @ means[c]) + math.log(len(keys[c])) for c in cands]
+                        top = max(logits)
+                        z = sum(math.exp(x - top) for x in logits)
+                        total += math.exp(logits[cands.index(j)] - top) / z
+                    scores[j] = total
                 rest = sorted((j for j in cands if j not in forced), key=lambda j: -scores[j])
                 out[b][h][i] = forced | set(rest[:num_blocks]) | diag
     return out
 
 
-def block_sparse_attention_reference(q, k, v, key_padding_mask=None, causal=False, scale=None, **options):
-    """Dense softmax over the keys of each query's selected blocks (minus padding and, causal,
-    later keys); zeros for a query with none."""
+def _dense(q, k, v, causal, scale, qb, kb, options):
     B, H, N, D = q.shape
     M = k.shape[2]
-    scale = D ** -0.5 if scale is None else scale
-    qb, kb = options.get("query_block", 128), options.get("key_block", 64)
-    sel = selected_blocks(q, k, key_padding_mask, causal, scale, **options)
+    sel = selected_blocks(q, k, causal, scale, query_block=qb, key_block=kb, **options)
     allowed = torch.zeros(B, H, N, M, dtype=torch.bool)
     for b in range(B):
         for h in range(H):
@@ -75,8 +64,30 @@ def block_sparse_attention_reference(q, k, v, key_padding_mask=None, causal=Fals
                     allowed[b, h, i * qb: (i + 1) * qb, j * kb: (j + 1) * kb] = True
     if causal:
         allowed &= torch.ones(N, M, dtype=torch.bool).tril()
-    if key_padding_mask is not None:
-        allowed &= ~key_padding_mask[:, None, None, :]
-    logits = (q @ k.mT) * scale
-    weights = torch.softmax(logits.masked_fill(~allowed, -math.inf), -1).nan_to_num(0.0)
+    weights = torch.softmax((q @ k.mT * scale).masked_fill(~allowed, -math.inf), -1).nan_to_num(0.0)
     return weights @ v
+
+
+def block_sparse_attention_reference(q, k, v, key_padding_mask=None, causal=False, scale=None, query_block=128,
+                                     key_block=64, **options):
+    """Dense softmax over the keys of each query's selected blocks (causal: at or before it), item
+    by item over its real keys (self-attention: and real queries; a padded query position copies
+    the last real query before it, causal: zeros where none is, not causal: the first real one)."""
+    B, H, N, D = q.shape
+    M = k.shape[2]
+    scale = D ** -0.5 if scale is None else scale
+    out = q.new_zeros(B, H, N, v.shape[-1])
+    for b in range(B):
+        keep = torch.arange(M) if key_padding_mask is None else (~key_padding_mask[b]).nonzero().squeeze(-1)
+        if len(keep) == 0:
+            continue
+        rows = keep if N == M else torch.arange(N)
+        res = _dense(q[b: b + 1, :, rows], k[b: b + 1, :, keep], v[b: b + 1, :, keep], causal, scale, query_block,
+                     key_block, options)
+        for t in range(N):
+            before = [r for r, pos in enumerate(rows.tolist()) if pos <= t]
+            if before:
+                out[b, :, t] = res[0, :, before[-1]]
+            elif not causal:
+                out[b, :, t] = res[0, :, 0]
+    return out

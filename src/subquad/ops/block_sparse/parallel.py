@@ -80,8 +80,7 @@ def _tables(visit: Tensor, full: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor
     return (*table(partial), *table(full))
 
 
-def attend_flex(q: Tensor, k: Tensor, v: Tensor, sel: Selection, key_valid: Tensor | None, causal: bool,
-                scale: float) -> Tensor:
+def attend_flex(q: Tensor, k: Tensor, v: Tensor, sel: Selection, causal: bool, scale: float) -> Tensor:
     """What :func:`.chunk.attend_gathered` computes, as one compiled FlexAttention call."""
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -92,15 +91,14 @@ def attend_flex(q: Tensor, k: Tensor, v: Tensor, sel: Selection, key_valid: Tens
     tq, tk = max(QB, t), max(KB, t)
     Np, Mp = _round(N, max(BUCKET, tq)), _round(M, max(BUCKET, tk))
     visit, full, hit = _coarse(sel, Np // QB, Mp // KB, tq // QB, tk // KB)
-    real = torch.ones(B, M, dtype=torch.bool, device=q.device) if key_valid is None else key_valid
-    real = F.pad(real, (0, Mp - M))
+    real = torch.arange(Mp, device=q.device) < M  # a tensor, not the int M: no new graph per length
     if tq == QB and tk == KB:
         def mask_mod(b, h, qi, ki):
-            keep = real[b, ki]
+            keep = real[ki]
             return keep & (ki <= qi) if causal else keep
     else:  # tiles coarser than blocks: look the block up
         def mask_mod(b, h, qi, ki):
-            keep = real[b, ki] & hit[b, h, qi // QB, ki // KB]
+            keep = real[ki] & hit[b, h, qi // QB, ki // KB]
             return keep & (ki <= qi) if causal else keep
     mask = BlockMask.from_kv_blocks(*_tables(visit, full), BLOCK_SIZE=(tq, tk), mask_mod=mask_mod)
     pad = (0, 0, 0, Np - N)
