@@ -72,7 +72,7 @@ def measure(args, options):
     device = torch.device(args.device)
     rows = []
     for n in args.n:
-        for causal in (True, False):
+        for causal in [m == "causal" for m in args.masks]:
             for backward in (False, True):
                 ours, sdpa, (q, k, v) = _calls(n, causal, backward, args, options)
                 t = time.perf_counter()
@@ -126,6 +126,7 @@ def main(argv=None):
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--n", type=int, nargs="+", default=[4096, 8192, 16384])
+    p.add_argument("--masks", nargs="+", choices=("causal", "none"), default=["causal", "none"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--heads", type=int, default=8)
