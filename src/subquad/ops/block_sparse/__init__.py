@@ -27,6 +27,7 @@ import torch
 from ...checks import check_choice, check_int
 from ...registry import register_method
 from .._masks import compute_dtype, compute_precision
+from ..softmax import sdpa
 from .chunk import attend_gathered
 from .parallel import attend_flex, flex_available
 from .select import Selection, select_blocks
@@ -133,6 +134,9 @@ def _item(q, k, v, padding, causal, scale, o):
 
 
 def _attention(q, k, v, causal, scale, o):
+    nk = -(-k.shape[2] // o.key_block)
+    if o.num_blocks + max(o.sinks, o.local, 0 if causal else 1) >= nk:  # every block is selected: exact
+        return sdpa(q, k, v, None, causal, scale)
     with torch.no_grad():  # selection is discrete: no gradient
         sq, sk = (q.float(), k.float()) if q.dtype in (torch.float16, torch.bfloat16) else (q, k)
         sel = select_blocks(sq.detach(), sk.detach(), causal, scale, query_block=o.query_block, key_block=o.key_block,

@@ -34,8 +34,9 @@ def _gather(x: Tensor, index: Tensor) -> Tensor:
 
 def attend_gathered(q: Tensor, k: Tensor, v: Tensor, sel: Selection, causal: bool, scale: float) -> Tensor:
     """Softmax attention of each query over the keys of its block's selected key blocks
-    (``sel``), causal: those at or before it. A query with no such key outputs zeros.
-    -> ``(B, H, N, Dv)``."""
+    (``sel``), causal: those at or before it (every query sees at least its own key, so no row is
+    empty). One fused ``scaled_dot_product_attention`` per chunk of query blocks, the gathered keys
+    of each query block as one sequence. -> ``(B, H, N, Dv)``."""
     B, H, N, D = q.shape
     M, Dv = k.shape[2], v.shape[-1]
     QB, KB = sel.query_block, sel.key_block
@@ -49,14 +50,13 @@ def attend_gathered(q: Tensor, k: Tensor, v: Tensor, sel: Selection, causal: boo
     for a in range(0, nq, step):
         index, valid = sel.index[:, :, a: a + step], sel.valid[:, :, a: a + step]
         c = index.shape[2]
-        keys, values = _gather(kb, index), _gather(vb, index)
-        ok = real[index] & valid.unsqueeze(-1)  # (B, H, c, L, KB)
-        ok = ok.flatten(-2).unsqueeze(-2)  # (B, H, c, 1, L KB)
+        ok = (real[index] & valid.unsqueeze(-1)).flatten(-2).unsqueeze(-2)  # (B, H, c, 1, L KB)
         if causal:
             pos = (index.unsqueeze(-1) * KB + torch.arange(KB, device=q.device)).flatten(-2)
             qpos = torch.arange(a * QB, (a + c) * QB, device=q.device).view(1, 1, c, QB, 1)
             ok = ok & (pos.unsqueeze(-2) <= qpos)
-        logits = (qb[:, :, a: a + c] * scale) @ keys.mT
-        weights = torch.softmax(logits.masked_fill(~ok, neg), -1) * ok
-        out.append(weights @ values)
+        bias = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill_(~ok, neg)
+        o = F.scaled_dot_product_attention(qb[:, :, a: a + c].flatten(0, 1), _gather(kb, index).flatten(0, 1),
+                                           _gather(vb, index).flatten(0, 1), attn_mask=bias.flatten(0, 1), scale=scale)
+        out.append(o.view(B, H, c, QB, Dv))
     return torch.cat(out, 2).view(B, H, nq * QB, Dv)[:, :, :N]
