@@ -72,12 +72,16 @@ class BlockSparseOptions:
 
 
 def flops(B, H, N, M, D, Dv, o):
-    """Matmul FLOPs of one non-causal forward: each query against its selected keys (the
-    selected, sink and local blocks plus the blocks under its own), plus the block scores."""
+    """Matmul FLOPs of one non-causal forward in the gathered form: each query block against its
+    gathered key blocks (unused slots of its table included), plus the block scores; exact
+    attention's when every block is selected."""
     kb, qb = o["key_block"], o["query_block"]
-    nk = -(-M // kb)
-    blocks = min(nk, o["num_blocks"] + o["sinks"] + 2 * o["local"] + -(-qb // kb) + 1)
-    return 2 * B * H * N * (blocks * kb * (D + Dv) + nk * D)
+    nk, nq = -(-M // kb), -(-N // qb)
+    if o["num_blocks"] + max(o["sinks"], o["local"], 1) >= nk:
+        return 2 * B * H * N * M * (D + Dv)
+    width = min(nk, o["num_blocks"]) + min(nk, o["sinks"] + max(1, qb // kb) + 2 * o["local"])
+    scores = nq * qb * nk * D if o["score"] == "mass" else nq * nk * D
+    return 2 * B * H * (nq * qb * width * kb * (D + Dv) + scores)
 
 
 @register_method(
