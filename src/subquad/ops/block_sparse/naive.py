@@ -35,18 +35,16 @@ def selected_blocks(q, k, causal=False, scale=None, *, query_block=128, key_bloc
                     forced = {j for j in cands if j < sinks or lo <= j < hi}
                     scorers = list(range(first, last + 1))
                     diag = set()
-                scores = {}
-                for j in cands:
-                    if score == "mean":
-                        scores[j] = float(scale * q[b, h, scorers].mean(0) @ means[j]) if scorers else 0.0
-                        continue
-                    total = 0.0
-                    for t in scorers:
-                        logits = [float(scale * q[b, h, t] @ means[c]) + math.log(len(keys[c])) for c in cands]
-                        top = max(logits)
-                        z = sum(math.exp(x - top) for x in logits)
-                        total += math.exp(logits[cands.index(j)] - top) / z
-                    scores[j] = total
+                scores = {j: 0.0 for j in cands}
+                for t in scorers if score == "mass" and cands else ():  # each scoring query's softmax over the blocks
+                    logits = {c: float(scale * q[b, h, t] @ means[c]) + math.log(len(keys[c])) for c in cands}
+                    top = max(logits.values())
+                    z = sum(math.exp(x - top) for x in logits.values())
+                    for c in cands:
+                        scores[c] += math.exp(logits[c] - top) / z
+                if score == "mean" and scorers:
+                    qm = q[b, h, scorers].mean(0)
+                    scores = {j: float(scale * qm @ means[j]) for j in cands}
                 rest = sorted((j for j in cands if j not in forced), key=lambda j: -scores[j])
                 out[b][h][i] = forced | set(rest[:num_blocks]) | diag
     return out
