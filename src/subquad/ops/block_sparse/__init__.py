@@ -104,9 +104,9 @@ def block_sparse_attention(q, k, v, key_padding_mask, causal, scale, *, options:
     batch computes what each item computes alone, and padded content never reaches an output; a
     query at a padded position takes the output of the last real query before it (causal: zeros
     when there is none; not causal: the first real query's), an item without real keys outputs
-    zeros. Computes in float32
-    (float64 stays float64) except on CUDA, where FlexAttention takes half-precision inputs as they
-    are (accumulating in float32); returns the dtype of q."""
+    zeros. When the selection would take every key block, this is exact attention (SDPA).
+    Computes in float32 (float64 stays float64) except on CUDA, where FlexAttention takes
+    half-precision inputs as they are (accumulating in float32); returns the dtype of q."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
     half_on_gpu = q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
@@ -116,8 +116,8 @@ def block_sparse_attention(q, k, v, key_padding_mask, causal, scale, *, options:
         if key_padding_mask is None or not bool(key_padding_mask.any()):
             out = _attention(qc, kc, vc, causal, scale, options)
         else:
-            out = torch.cat([_item(qc[b: b + 1], kc[b: b + 1], vc[b: b + 1], key_padding_mask[b], causal, scale, options)
-                             for b in range(q.shape[0])])
+            out = torch.cat([_item(qc[b: b + 1], kc[b: b + 1], vc[b: b + 1], key_padding_mask[b], causal, scale,
+                                   options) for b in range(q.shape[0])])
     return out.to(q.dtype)
 
 
