@@ -104,13 +104,16 @@ def block_sparse_attention(q, k, v, key_padding_mask, causal, scale, *, options:
     batch computes what each item computes alone, and padded content never reaches an output; a
     query at a padded position takes the output of the last real query before it (causal: zeros
     when there is none; not causal: the first real query's), an item without real keys outputs
-    zeros. When the selection would take every key block, this is exact attention (SDPA).
+    zeros. When the selection would take every key block, this is exact attention (SDPA, whose
+    outputs at padded query positions are its own).
     Computes in float32 (float64 stays float64) except on CUDA, where FlexAttention takes
     half-precision inputs as they are (accumulating in float32); returns the dtype of q."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
     half_on_gpu = q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
     dtype = q.dtype if half_on_gpu else compute_dtype(q.dtype)
+    if _selects_all(k.shape[2], causal, options):  # exact attention, masks as given
+        return sdpa(q, k, v, key_padding_mask, causal, scale)
     with compute_precision(q):
         qc, kc, vc = q.to(dtype), k.to(dtype), v.to(dtype)
         if key_padding_mask is None or not bool(key_padding_mask.any()):
@@ -137,9 +140,13 @@ def _item(q, k, v, padding, causal, scale, o):
     return out.masked_fill((rank < 0).view(-1, 1), 0.0) if causal else out
 
 
+def _selects_all(m: int, causal: bool, o: BlockSparseOptions) -> bool:
+    """Whether every query block would attend to every key block it may see (``m`` keys or fewer)."""
+    return o.num_blocks + max(o.sinks, o.local, 0 if causal else 1) >= -(-m // o.key_block)
+
+
 def _attention(q, k, v, causal, scale, o):
-    nk = -(-k.shape[2] // o.key_block)
-    if o.num_blocks + max(o.sinks, o.local, 0 if causal else 1) >= nk:  # every block is selected: exact
+    if _selects_all(k.shape[2], causal, o):
         return sdpa(q, k, v, None, causal, scale)
     with torch.no_grad():  # selection is discrete: no gradient
         sq, sk = (q.float(), k.float()) if q.dtype in (torch.float16, torch.bfloat16) else (q, k)

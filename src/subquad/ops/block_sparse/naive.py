@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from ..softmax.naive import softmax_attention_reference
+
 
 def selected_blocks(q, k, causal=False, scale=None, *, query_block=128, key_block=64, num_blocks=16, sinks=1,
                     local=1, score="mass"):
@@ -74,6 +76,9 @@ def block_sparse_attention_reference(q, k, v, key_padding_mask=None, causal=Fals
     B, H, N, D = q.shape
     M = k.shape[2]
     scale = D ** -0.5 if scale is None else scale
+    o = {"num_blocks": 16, "sinks": 1, "local": 1, **options}
+    if o["num_blocks"] + max(o["sinks"], o["local"], 0 if causal else 1) >= -(-M // key_block):
+        return softmax_attention_reference(q, k, v, key_padding_mask, causal, scale)  # every block selected
     out = q.new_zeros(B, H, N, v.shape[-1])
     for b in range(B):
         keep = torch.arange(M) if key_padding_mask is None else (~key_padding_mask[b]).nonzero().squeeze(-1)
