@@ -119,9 +119,15 @@ def block_sparse_attention(q, k, v, key_padding_mask, causal, scale, *, options:
         if key_padding_mask is None or not bool(key_padding_mask.any()):
             out = _attention(qc, kc, vc, causal, scale, options)
         else:
-            out = torch.cat([_item(qc[b: b + 1], kc[b: b + 1], vc[b: b + 1], key_padding_mask[b], causal, scale,
-                                   options) for b in range(q.shape[0])])
+            out = _items(qc, kc, vc, key_padding_mask, causal, scale, options)
     return out.to(q.dtype)
+
+
+@torch.compiler.disable  # shapes follow the mask: under torch.compile this runs eagerly, not traced per length
+def _items(q, k, v, key_padding_mask, causal, scale, o):
+    """Each item of a padded batch over its own real keys (:func:`_item`)."""
+    return torch.cat([_item(q[b: b + 1], k[b: b + 1], v[b: b + 1], key_padding_mask[b], causal, scale, o)
+                      for b in range(q.shape[0])])
 
 
 def _item(q, k, v, padding, causal, scale, o):
