@@ -27,6 +27,7 @@ def _no_capture(monkeypatch):
     monkeypatch.setattr(minilm, "capture_qkv", refuse)
 
 
+@pytest.mark.slow  # whole compare runs over every method
 def test_default_errors_are_those_on_the_capture(fake_minilm, capsys, tmp_path):
     out_dir = tmp_path / "cmp"
     code, out, err = run_cli(["compare", *TINY, *METHODS, "--max-error", "0.9", "--out", str(out_dir)], capsys)
@@ -61,6 +62,7 @@ def test_default_errors_are_those_on_the_capture(fake_minilm, capsys, tmp_path):
     assert "real MiniLM activations (N = 10)" in out.splitlines()[1] and "rel. error (MiniLM)" in out
 
 
+@pytest.mark.slow  # whole compare runs over every method
 def test_iid_errors_are_on_the_random_inputs_at_each_n(monkeypatch, capsys, tmp_path):
     _no_capture(monkeypatch)
     out_dir = tmp_path / "cmp"
@@ -114,6 +116,7 @@ def test_bad_error_inputs(fake_minilm, capsys, args, words):
     assert fake_minilm == []
 
 
+@pytest.mark.slow  # whole compare runs over every method
 def test_a_method_that_fails_on_the_capture_has_no_error(monkeypatch):
     real = {"kind": "real", "model": minilm.MODEL_NAME, "text": "t", "tokens": 10, "layers": 2, "heads": 3,
             "head_dim": 4, "errors": {"softmax": {"mean": 1e-7, "per_layer": [1e-7, 1e-7], "failure": None},

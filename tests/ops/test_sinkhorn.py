@@ -432,6 +432,7 @@ def test_bf16_autocast_computes_in_float32(causal):
     torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.slow  # float64 gradcheck through the sort network (15 s); the generic sweep has a faster one
 @pytest.mark.parametrize("causal, top_blocks", [(False, 2), (True, 2), (False, 1)])
 def test_gradcheck_through_sinkhorn(causal, top_blocks):
     """float64 gradcheck with several blocks, partial-padding blocks and given logits, so the
