@@ -18,7 +18,7 @@ transformers.logging.set_verbosity_error()
 
 # how each shipped causal method decodes (a method added later is checked against its own kind)
 KINDS = {"softmax": "keys", "linear": "state", "performer": "state", "hedgehog": "state", "hybrid": "state",
-         "sinkhorn": "none"}
+         "block_sparse": "state", "sinkhorn": "none"}
 
 
 def _retrofit(method, build=tiny_llama, **options):

@@ -6,7 +6,9 @@ Selection (``select.py``) is the same for every form: causal, a block is scored 
 before it, so a query's keys depend on nothing at or after its block. The attention itself runs
 as one FlexAttention call (``parallel.py``; CUDA, and CPU inference in float32) or over
 gathered key blocks with batched matrix products (``chunk.py``; autograd, any device and dtype);
-``naive.py`` is the dense reference both are tested against.
+``naive.py`` is the dense reference both are tested against. ``decoding.py`` decodes one token at a
+time through a state (the keys, their block sums, the current block's choice), each token getting
+its row of the causal op.
 
 Related methods: MoBA (Lu et al. 2025, arXiv 2502.13189: blocks gated by their mean key),
 Quest (Tang et al. 2024, arXiv 2406.10774: pages by a per-channel bound), attention sinks
@@ -29,10 +31,12 @@ from ...registry import register_method
 from .._masks import compute_dtype, compute_precision
 from ..softmax import sdpa
 from .chunk import attend_gathered
+from .decoding import BlockSparseDecodeState
 from .parallel import attend_flex, flex_available
 from .select import Selection, select_blocks
 
-__all__ = ["BlockSparseOptions", "Selection", "block_sparse_attention", "flops", "select_blocks", "SCORES"]
+__all__ = ["BlockSparseDecodeState", "BlockSparseOptions", "Selection", "block_sparse_attention", "flops",
+           "select_blocks", "SCORES"]
 
 SCORES = ("mass", "mean")
 #: below this many queries the gathered form runs even where FlexAttention could (its compile and
@@ -94,6 +98,7 @@ def flops(B, H, N, M, D, Dv, o):
     flops=flops,
     test_options={"query_block": 4, "key_block": 2, "num_blocks": 2, "sinks": 1, "local": 1},
     fullgraph_with_padding=False,  # padding is removed first: shapes from the mask
+    decode_state=BlockSparseDecodeState,
 )
 def block_sparse_attention(q, k, v, key_padding_mask, causal, scale, *, options: BlockSparseOptions):
     """Block-sparse attention (see the module docstring).
