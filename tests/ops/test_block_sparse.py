@@ -100,3 +100,32 @@ def test_a_padded_item_computes_what_it_computes_alone():
                                        causal=causal, **options)
         torch.testing.assert_close(batch[:, :, 5:], alone)
         assert (batch[:, :, :5] == (0 if causal else alone[:, :, :1])).all()  # padded positions: defined
+
+
+@pytest.mark.parametrize("n,options", [(37, SETTINGS[0]), (200, SETTINGS[2]),
+                                       (64, dict(query_block=8, key_block=8, num_blocks=2, sinks=0, local=1))])
+def test_causal_kernel_form_equals_gathered_form_with_gradients(n, options):
+    """Causal self-attention on the CPU runs torch's fused kernel per block (backend 'sdpa', the
+    default there): the same outputs and gradients as the gathered form, value width != key width."""
+    q, k, v = qkv(2, 3, n, 8, dv=5, requires_grad=True)
+    w = torch.randn(2, 3, n, 5, dtype=q.dtype)
+    grads = []
+    for backend in ("sdpa", "gather"):
+        out = block_sparse_attention(q, k, v, causal=True, backend=backend, **options)
+        grads.append((out, *torch.autograd.grad((out * w).sum(), (q, k, v))))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_causal_kernel_form_in_bfloat16():
+    q, k, v = qkv(1, 2, 130, 16, dtype=torch.bfloat16)
+    options = dict(query_block=8, key_block=4, num_blocks=3)
+    a = block_sparse_attention(q, k, v, causal=True, backend="sdpa", **options)
+    b = block_sparse_attention(q.double(), k.double(), v.double(), causal=True, backend="gather", **options)
+    torch.testing.assert_close(a.double(), b, rtol=2e-2, atol=2e-2)
+
+
+def test_sdpa_backend_refuses_what_it_cannot_run():
+    q, k, v = qkv(1, 1, 16, 8)
+    with pytest.raises(ValueError, match="backend='sdpa' runs causal self-attention"):
+        block_sparse_attention(q, k, v, causal=False, backend="sdpa", query_block=2, key_block=2, num_blocks=1)

@@ -3,12 +3,14 @@ key blocks (the first ``sinks``, the ``local`` ones next to it, and the ``num_bl
 scoring queries rate highest), computed as matrix products over whole blocks.
 
 Selection (``select.py``) is the same for every form: causal, a block is scored by the queries
-before it, so a query's keys depend on nothing at or after its block. The attention itself runs
-as one FlexAttention call (``parallel.py``; CUDA, and CPU inference in float32) or over
-gathered key blocks with batched matrix products (``chunk.py``; autograd, any device and dtype);
-``naive.py`` is the dense reference both are tested against. ``decoding.py`` decodes one token at a
-time through a state (the keys, their block sums, the current block's choice), each token getting
-its row of the causal op.
+before it, so a query's keys depend on nothing at or after its block. The attention itself runs,
+for causal self-attention on the CPU, through torch's fused CPU attention kernel per block of
+queries on its gathered key blocks, forward and backward (``chunk.py``, :func:`attend_causal`);
+otherwise as one FlexAttention call (``parallel.py``; CUDA, forward and backward, and CPU
+inference in float32) or over gathered key blocks with batched matrix products (``chunk.py``;
+autograd, any device and dtype). ``naive.py`` is the dense reference they are tested against.
+``decoding.py`` decodes one token at a time through a state (the keys, their block sums, the
+current block's choice), each token getting its row of the causal op.
 
 Related methods: MoBA (Lu et al. 2025, arXiv 2502.13189: blocks gated by their mean key),
 Quest (Tang et al. 2024, arXiv 2406.10774: pages by a per-channel bound), attention sinks
@@ -30,7 +32,7 @@ from ...checks import check_choice, check_int
 from ...registry import register_method
 from .._masks import compute_dtype, compute_precision
 from ..softmax import sdpa
-from .chunk import attend_gathered
+from .chunk import attend_causal, attend_gathered, causal_blocks_available
 from .decoding import BlockSparseDecodeState
 from .parallel import attend_flex, flex_available
 from .select import Selection, select_blocks
@@ -53,7 +55,9 @@ class BlockSparseOptions:
     the query block always attended (causal: the ``local`` blocks before it; not causal: on each
     side; 1); ``score``: ``"mass"`` (estimated attention mass of the block for the scoring
     queries) or ``"mean"`` (mean query times mean key, MoBA's gate); ``backend``: ``"auto"``
-    (FlexAttention where it runs, for at least 2048 queries), ``"flex"`` or ``"gather"``."""
+    (causal self-attention on the CPU with ``key_block <= query_block``: ``"sdpa"``; else
+    FlexAttention where it runs, for at least 2048 queries; else ``"gather"``), ``"sdpa"`` (torch's
+    fused CPU kernel per query block), ``"flex"`` or ``"gather"``."""
 
     query_block: int = 128
     key_block: int = 128
@@ -72,7 +76,7 @@ class BlockSparseOptions:
         for name in ("num_blocks", "sinks", "local"):
             check_int("block_sparse", name, getattr(self, name), minimum=0)
         check_choice("block_sparse", "score", self.score, SCORES)
-        check_choice("block_sparse", "backend", self.backend, ("auto", "flex", "gather"))
+        check_choice("block_sparse", "backend", self.backend, ("auto", "sdpa", "flex", "gather"))
 
 
 def flops(B, H, N, M, D, Dv, o):
@@ -163,6 +167,11 @@ def _attention(q, k, v, causal, scale, o):
         sq, sk = (q.float(), k.float()) if q.dtype in (torch.float16, torch.bfloat16) else (q, k)
         sel = select_blocks(sq.detach(), sk.detach(), causal, scale, query_block=o.query_block, key_block=o.key_block,
                             num_blocks=o.num_blocks, sinks=o.sinks, local=o.local, score=o.score)
+    if o.backend in ("auto", "sdpa") and causal and causal_blocks_available(q, k, sel):
+        return attend_causal(q, k, v, sel, o.sinks + o.local + o.num_blocks, scale)
+    if o.backend == "sdpa":
+        raise ValueError("block_sparse: backend='sdpa' runs causal self-attention on the CPU with key_block <= "
+                         "query_block; use backend='auto'")
     use_flex = o.backend == "flex" or (o.backend == "auto" and q.shape[2] >= FLEX_MIN_QUERIES and flex_available(q))
     if use_flex:
         if not flex_available(q):
