@@ -73,7 +73,7 @@ def measure(args, options):
     rows = []
     for n in args.n:
         for causal in [m == "causal" for m in args.masks]:
-            for backward in (False, True):
+            for backward in [pass_ == "fwd+bwd" for pass_ in args.passes]:
                 ours, sdpa, (q, k, v) = _calls(n, causal, backward, args, options)
                 t = time.perf_counter()
                 ours()
@@ -127,6 +127,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--n", type=int, nargs="+", default=[4096, 8192, 16384])
     p.add_argument("--masks", nargs="+", choices=("causal", "none"), default=["causal", "none"])
+    p.add_argument("--passes", nargs="+", choices=("forward", "fwd+bwd"), default=["forward", "fwd+bwd"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--heads", type=int, default=8)

@@ -87,7 +87,7 @@ def _ppl_rows(model, ids: torch.Tensor, rows, k: int) -> list[dict]:
             loss = decode_losses(model, ids, H.decoding_cache(model), k)
         finally:
             H.unretrofit(model)
-        out.append({"method": method, "options": options, "ppl": math.exp(loss.mean().item())})
+        out.append({"method": _label(method, options), "options": options, "ppl": math.exp(loss.mean().item())})
         out[-1]["ppl_ratio"] = out[-1]["ppl"] / out[0]["ppl"]
         print(f"{method} decoding the last {k} tokens: ppl x{out[-1]['ppl_ratio']:.4f}", file=sys.stderr, flush=True)
     return out
@@ -102,7 +102,7 @@ def measure(model, ids: torch.Tensor, rows, new: int, tokenizer) -> dict:
     out = {"exact": {"tokens": exact, "s_per_token": statistics.median(exact_s),
                      "text": tokenizer.decode(exact[:60])}, "rows": []}
     for method, options in rows:
-        label = method + (f" ({', '.join(f'{k}={v}' for k, v in options.items())})" if options else " (defaults)")
+        label = _label(method, options)
         H.retrofit(model, method, **options)
         try:
             free, free_s = _steps(model, ids, H.decoding_cache(model), None, new)
@@ -140,6 +140,10 @@ def markdown(report: dict) -> str:
                            [[row["method"], f"{row['ppl']:.3f}", f"{row.get('ppl_ratio', 1.0):.4f}"]
                             for row in r["decode_ppl"]])]
     return "\n".join(lines) + "\n"
+
+
+def _label(method: str, options: dict) -> str:
+    return method + (f" ({', '.join(f'{k}={v}' for k, v in options.items())})" if options else " (defaults)")
 
 
 def main(argv: list[str] | None = None) -> dict:

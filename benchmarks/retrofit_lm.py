@@ -12,7 +12,9 @@ with every layer's attention swapped by ``subquad.hf.retrofit(model, method, **o
 no weight changes, nothing trained). Reported per N and method: the next-token perplexity over the
 window, the perplexity over its last quarter (does the method still use far context?), their ratio
 to exact attention's, the share of next tokens whose greedy prediction matches exact attention's,
-and the forward's seconds. Causal methods only (the others refuse a decoder).
+and the forward's seconds. Causal methods only (the others refuse a decoder). With ``--rounds R``
+the forward's seconds are the median of R more forwards per row, interleaved (exact, then each row,
+per round), with each row's speed-up over exact attention's median; without, one forward's.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -44,7 +47,25 @@ def result_row(label: str, loss, pred, seconds, exact) -> dict:
     return {"method": label, **H.lm_scores(loss, pred, exact), "seconds": seconds}
 
 
-def measure_n(n: int, tokenizer, model, rows) -> list[dict]:
+def _label(method: str, options: dict) -> str:
+    return method + (f" ({', '.join(f'{k}={v}' for k, v in options.items())})" if options else " (defaults)")
+
+
+def time_rows(model, ids, rows, rounds: int) -> list[list[float]]:
+    """Forward seconds of exact attention and of each row, ``rounds`` interleaved rounds."""
+    times = [[] for _ in range(len(rows) + 1)]
+    for _ in range(rounds):
+        times[0].append(losses(model, ids)[2])
+        for i, (method, options) in enumerate(rows, 1):
+            H.retrofit(model, method, **options)
+            try:
+                times[i].append(losses(model, ids)[2])
+            finally:
+                H.unretrofit(model)
+    return times
+
+
+def measure_n(n: int, tokenizer, model, rows, rounds: int = 0) -> list[dict]:
     ids = H.eval_ids(tokenizer, n)
     loss, pred, seconds = losses(model, ids)
     exact = result_row("exact (the model's own attention)", loss, pred, seconds, None)
@@ -52,7 +73,7 @@ def measure_n(n: int, tokenizer, model, rows) -> list[dict]:
     exact_pred = {"ppl": exact["ppl"], "ppl_last_quarter": exact["ppl_last_quarter"], "pred": pred}
     out = [exact]
     for method, options in rows:
-        label = method + (f" ({', '.join(f'{k}={v}' for k, v in options.items())})" if options else " (defaults)")
+        label = _label(method, options)
         H.retrofit(model, method, **options)
         try:
             loss, pred_m, seconds = losses(model, ids)
@@ -61,6 +82,12 @@ def measure_n(n: int, tokenizer, model, rows) -> list[dict]:
         out.append(result_row(label, loss, pred_m, seconds, exact_pred))
         print(f"N={n} {label}: ppl {out[-1]['ppl']:.3f} (x{out[-1]['ppl_ratio']:.4f}) ({seconds:.0f} s)",
               file=sys.stderr, flush=True)
+    if rounds:
+        times = time_rows(model, ids, rows, rounds)
+        for row, t in zip(out, times):
+            row["seconds"], row["rounds"] = statistics.median(t), t
+            row["speedup"] = statistics.median(times[0]) / row["seconds"]
+            print(f"N={n} {row['method']}: {row['seconds']:.1f} s, {row['speedup']:.2f}x", file=sys.stderr, flush=True)
     return out
 
 
@@ -73,9 +100,11 @@ def markdown(report: dict) -> str:
     for n, rows in report["results"].items():
         body = [[r["method"], f"{r['ppl']:.3f}", f"{r.get('ppl_ratio', 1.0):.4f}", f"{r['ppl_last_quarter']:.3f}",
                  f"{r.get('last_quarter_ratio', 1.0):.4f}", f"{100 * r.get('same_prediction', 1.0):.1f}",
-                 f"{r['seconds']:.1f}"] for r in rows]
-        lines += [f"## N = {n}", "", md_table(["attention", "perplexity", "vs exact", "last quarter", "vs exact",
-                                               "same next token %", "forward s"], body), ""]
+                 f"{r['seconds']:.1f}"] + ([f"{r['speedup']:.2f}x"] if "speedup" in r else []) for r in rows]
+        timed = "speedup" in rows[0]
+        head = ["attention", "perplexity", "vs exact", "last quarter", "vs exact", "same next token %",
+                f"forward s (median of {len(rows[0]['rounds'])})" if timed else "forward s"]
+        lines += [f"## N = {n}", "", md_table(head + (["speed-up"] if timed else []), body), ""]
     return "\n".join(lines)
 
 
@@ -85,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--methods", nargs="+", default=None, help="keep only these methods' rows")
     p.add_argument("--rows", nargs="+", default=None, metavar="METHOD:NAME=VALUE,...",
                    help="these rows instead, e.g. hybrid:budget=256 hybrid:budget=512")
+    p.add_argument("--rounds", type=int, default=0, help="time R more forwards per row, interleaved")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     rows = [(m, o) for m, o in ROWS if args.methods is None or m in args.methods]
@@ -96,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
             p.error(f"{m} is not causal")
     start = time.perf_counter()
     tokenizer, model = load_smollm()
-    results = {str(n): measure_n(n, tokenizer, model, rows) for n in args.n}
+    results = {str(n): measure_n(n, tokenizer, model, rows, args.rounds) for n in args.n}
     info = machine_info(torch.device("cpu"))
     report = {"config": {"n": args.n, "rows": [[m, o] for m, o in rows], "torch": info["torch"], "cpu": info["cpu"],
                          "threads": info["threads"], "source": source_state(Path(__file__).parent),

@@ -51,8 +51,9 @@ class BlockSparseOptions:
     """``query_block``: consecutive queries that share one set of key blocks (default 128);
     ``key_block``: keys per block (128: the tile of the CUDA kernels' backward; smaller blocks run
     there through a table look-up in each visited tile); ``num_blocks``: key blocks each query
-    block selects by score (12); ``sinks``: leading key blocks always attended (1); ``local``: key blocks next to
-    the query block always attended (causal: the ``local`` blocks before it; not causal: on each
+    block selects by score (16: SmolLM2's perplexity within 1 % of exact attention's at 4096 and
+    8192 tokens, zero-shot); ``sinks``: leading key blocks always attended (1); ``local``: key
+    blocks next to the query block always attended (causal: the ``local`` blocks before it; not causal: on each
     side; 1); ``score``: ``"mass"`` (estimated attention mass of the block for the scoring
     queries) or ``"mean"`` (mean query times mean key, MoBA's gate); ``backend``: ``"auto"``
     (causal self-attention on the CPU with ``key_block <= query_block``: ``"sdpa"``; else
@@ -61,7 +62,7 @@ class BlockSparseOptions:
 
     query_block: int = 128
     key_block: int = 128
-    num_blocks: int = 12
+    num_blocks: int = 16
     sinks: int = 1
     local: int = 1
     score: str = "mass"
