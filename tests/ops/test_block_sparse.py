@@ -36,12 +36,13 @@ def test_matches_naive(n, causal, score):
             torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
 
 
-def test_selection_equals_the_naive_sets():
+@pytest.mark.parametrize("score", ["mass", "mean"])
+def test_selection_equals_the_naive_sets(score):
     q, k, _ = qkv(1, 2, 61, 8)
     for causal in (False, True):
         for options in SETTINGS:
-            sel = select_blocks(q, k, causal, 8 ** -0.5, score="mass", **options)
-            sets = selected_blocks(q, k, causal, **options)
+            sel = select_blocks(q, k, causal, 8 ** -0.5, score=score, **options)
+            sets = selected_blocks(q, k, causal, score=score, **options)
             for h in range(2):
                 for i, want in enumerate(sets[0][h]):
                     got = set(sel.index[0, h, i][sel.valid[0, h, i]].tolist())

@@ -53,19 +53,21 @@ class BlockSparseOptions:
     there through a table look-up in each visited tile); ``num_blocks``: key blocks each query
     block selects by score (16: SmolLM2's perplexity within 1 % of exact attention's at 4096 and
     8192 tokens, zero-shot); ``sinks``: leading key blocks always attended (1); ``local``: key
-    blocks next to the query block always attended (causal: the ``local`` blocks before it; not causal: on each
-    side; 1); ``score``: ``"mass"`` (estimated attention mass of the block for the scoring
-    queries) or ``"mean"`` (mean query times mean key, MoBA's gate); ``backend``: ``"auto"``
-    (causal self-attention on the CPU with ``key_block <= query_block``: ``"sdpa"``; else
-    FlexAttention where it runs, for at least 2048 queries; else ``"gather"``), ``"sdpa"`` (torch's
-    fused CPU kernel per query block), ``"flex"`` or ``"gather"``."""
+    blocks next to the query block always attended (causal: the ``local`` blocks before it; not
+    causal: on each side; 1); ``score``: ``"mean"`` (mean query times mean key, MoBA's gate; the
+    default: on SmolLM2 at 8192 tokens perplexity x1.006 against x1.005 for ``"mass"``, and at
+    65536 tokens its selection takes 0.07 s against 1.7 s) or ``"mass"`` (estimated attention mass
+    of the block for the scoring queries); ``backend``: ``"auto"`` (causal self-attention on the
+    CPU with ``key_block <= query_block``: ``"sdpa"``; else FlexAttention where it runs, for at
+    least 2048 queries; else ``"gather"``), ``"sdpa"`` (torch's fused CPU kernel per query block),
+    ``"flex"`` or ``"gather"``."""
 
     query_block: int = 128
     key_block: int = 128
     num_blocks: int = 16
     sinks: int = 1
     local: int = 1
-    score: str = "mass"
+    score: str = "mean"
     backend: str = "auto"
 
     def __post_init__(self):

@@ -110,10 +110,10 @@ def attend_causal(q: Tensor, k: Tensor, v: Tensor, sel: Selection, past: int, sc
     QB = sel.query_block
     Np = -(-N // QB) * QB
     E = max(D, Dv)  # the kernel wants one head size: zero columns change no logit, add no output
-    q, k, v = (F.pad(t, (0, E - t.shape[-1], 0, Np - N)).contiguous() for t in (q, k, v))
+    q, k, v = (t.contiguous() if t.shape[-2:] == (Np, E) else F.pad(t, (0, E - t.shape[-1], 0, Np - N)).contiguous()
+               for t in (q, k, v))
     i0 = min(sparse_start(sel, past), Np // QB)
-    ids = sel.index[:, :, i0:, :past]
-    out = _CausalBlocks.apply(q, k, v, ids, i0 * QB, sel.key_block, scale)
+    out = _CausalBlocks.apply(q, k, v, sel.index[:, :, i0:, :past], i0 * QB, sel.key_block, scale)
     return out[:, :, :N, :Dv]
 
 
@@ -124,19 +124,19 @@ class _CausalBlocks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ids, P, KB, scale):
         B, H, Np, E = q.shape
-        c = ids.shape[2]
-        out, lse = _flash(q[:, :, :P], k[:, :, :P], v[:, :, :P], is_causal=True, scale=scale)
-        if c:
-            units = _Units(q, ids, P, KB)
-            o_d, l_d = _flash(units.q, units.own(k), units.own(v), is_causal=True, scale=scale)
-            o_p, l_p = torch.empty_like(o_d), torch.empty_like(l_d)
-            for a, b, kg, vg in units.gathered(k, v):
-                o_p[:, a:b], l_p[:, a:b] = _flash(units.q[:, a:b], kg, vg, scale=scale)
-            both = torch.logaddexp(l_p, l_d)
-            o = (o_p.to(both.dtype) * (l_p - both).exp().unsqueeze(-1)
-                 + o_d.to(both.dtype) * (l_d - both).exp().unsqueeze(-1))
-            out = torch.cat([out, o.to(q.dtype).reshape(B, H, Np - P, E)], 2)
-            lse = torch.cat([lse, both.reshape(B, H, Np - P)], 2)
+        out = torch.empty_like(q)
+        lse = q.new_empty(B, H, Np, dtype=torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype)
+        out[:, :, :P], lse[:, :, :P] = _flash(q[:, :, :P], k[:, :, :P], v[:, :, :P], is_causal=True, scale=scale)
+        if ids.shape[2]:
+            u = _Units(q, ids, P, KB)
+            o_d, l_d = _flash(u.rows(q), u.rows(k), u.rows(v), is_causal=True, scale=scale)  # own positions
+            o, l_out = u.rows(out), u.rows(lse)
+            for r, a, b, kg, vg in u.gathered(k, v):
+                o_p, l_p = _flash(u.rows(q)[r: r + 1, a:b], kg, vg, scale=scale)
+                both = torch.logaddexp(l_p[0], l_d[r, a:b])
+                w_p, w_d = (l_p[0] - both).exp().unsqueeze(-1), (l_d[r, a:b] - both).exp().unsqueeze(-1)
+                o[r, a:b] = o_p[0].to(w_p.dtype).mul_(w_p).add_(o_d[r, a:b].to(w_p.dtype) * w_d)
+                l_out[r, a:b] = both
         ctx.save_for_backward(q, k, v, ids, out, lse)
         ctx.P, ctx.KB, ctx.scale = P, KB, scale
         return out
@@ -146,66 +146,59 @@ class _CausalBlocks(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, ids, out, lse = ctx.saved_tensors
         P, scale, KB = ctx.P, ctx.scale, ctx.KB
-        B, H, Np, E = q.shape
         dout = dout.contiguous()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        if P:
-            g = _flash_backward(dout[:, :, :P], q[:, :, :P], k[:, :, :P], v[:, :, :P], out[:, :, :P], lse[:, :, :P],
-                                0.0, True, scale=scale)
-            dq[:, :, :P], dk[:, :, :P], dv[:, :, :P] = g
+        dq[:, :, :P], dk[:, :, :P], dv[:, :, :P] = _flash_backward(
+            dout[:, :, :P], q[:, :, :P], k[:, :, :P], v[:, :, :P], out[:, :, :P], lse[:, :, :P], 0.0, True, scale=scale)
         if ids.shape[2] == 0:
             return dq, dk, dv, None, None, None, None
-        units = _Units(q, ids, P, KB)
-        du, ou, lu = units.rows(dout), units.rows(out), units.rows(lse.unsqueeze(-1)).squeeze(-1)
-        g_q, g_k, g_v = _flash_backward(du, units.q, units.own(k), units.own(v), ou, lu, 0.0, True, scale=scale)
-        dk_flat, dv_flat = dk.view(-1, KB, E), dv.view(-1, KB, E)
-        for a, b, kg, vg in units.gathered(k, v):
-            gq, gk, gv = _flash_backward(du[:, a:b], units.q[:, a:b], kg, vg, ou[:, a:b], lu[:, a:b], 0.0, False,
-                                         scale=scale)
-            g_q[:, a:b] += gq
-            flat = units.flat[a:b].flatten()
-            dk_flat.index_add_(0, flat, gk.reshape(-1, KB, E))
-            dv_flat.index_add_(0, flat, gv.reshape(-1, KB, E))
-        dq[:, :, P:] += g_q.reshape(B, H, Np - P, E)
-        dk[:, :, P:] += g_k.reshape(B, H, Np - P, E)
-        dv[:, :, P:] += g_v.reshape(B, H, Np - P, E)
+        u = _Units(q, ids, P, KB)
+        du, ou, lu, qu = u.rows(dout), u.rows(out), u.rows(lse), u.rows(q)
+        g_q, g_k, g_v = _flash_backward(du, qu, u.rows(k), u.rows(v), ou, lu, 0.0, True, scale=scale)
+        dk_flat, dv_flat = dk.view(-1, KB, dk.shape[-1]), dv.view(-1, KB, dv.shape[-1])
+        for r, a, b, kg, vg in u.gathered(k, v):
+            gq, gk, gv = _flash_backward(du[r: r + 1, a:b], qu[r: r + 1, a:b], kg, vg, ou[r: r + 1, a:b],
+                                         lu[r: r + 1, a:b], 0.0, False, scale=scale)
+            g_q[r: r + 1, a:b] += gq
+            flat = u.flat[r, a:b].flatten()
+            dk_flat.index_add_(0, flat, gk.reshape(-1, KB, gk.shape[-1]))
+            dv_flat.index_add_(0, flat, gv.reshape(-1, KB, gv.shape[-1]))
+        u.rows(dq).add_(g_q)
+        u.rows(dk).add_(g_k)
+        u.rows(dv).add_(g_v)
         return dq, dk, dv, None, None, None, None
 
 
 class _Units:
-    """The sparse query blocks of :class:`_CausalBlocks` as units ``(b, h, i)``, flattened: their
-    queries ``q`` ``(1, U, QB, E)`` (the kernel's batch of one, units as heads), their own keys,
-    rows of any ``(B, H, Np, *)`` tensor, and their gathered past key blocks in slices."""
+    """The sparse query blocks of :class:`_CausalBlocks` as units: ``(B H, c)``, one row per (item,
+    head), one column per query block from position ``P`` on. :meth:`rows` views any ``(B, H, Np,
+    *)`` tensor that way (the kernel's batch and heads; no copy); :meth:`gathered` gathers the
+    units' past key blocks in slices."""
 
     def __init__(self, q: Tensor, ids: Tensor, P: int, KB: int):
         B, H, Np, E = q.shape
         c, S = ids.shape[2], ids.shape[3]
-        self.P, self.KB, self.S, self.QB = P, KB, S, (Np - P) // c
-        self.q = self.rows(q)
+        self.P, self.KB, self.S, self.QB, self.c = P, KB, S, (Np - P) // c, c
         # the past blocks' rows in keys viewed (B H Np / KB, KB, E)
-        self.flat = (ids + (torch.arange(B * H, device=q.device) * (Np // KB)).view(B, H, 1, 1)).reshape(-1, S)
+        self.flat = (ids + (torch.arange(B * H, device=q.device) * (Np // KB)).view(B, H, 1, 1)).reshape(B * H, c, S)
         self.step = max(1, _UNIT_BYTES // (2 * S * KB * E * q.element_size()))
 
     def rows(self, x: Tensor) -> Tensor:
-        """Rows ``P ..`` of ``x`` ``(B, H, Np, d)`` as ``(1, U, QB, d)``."""
-        return x[:, :, self.P:].reshape(1, -1, self.QB, x.shape[-1])
-
-    def own(self, x: Tensor) -> Tensor:
-        """Each unit's own positions of keys or values ``x`` (key blocks no larger than query
-        blocks: the diagonal keys of a query block are its positions)."""
-        return self.rows(x)
+        """Positions ``P ..`` of a contiguous ``x`` ``(B, H, Np, *)`` viewed ``(B H, c, QB, *)``."""
+        B, H, Np = x.shape[:3]
+        return x.view(B * H, Np, *x.shape[3:])[:, self.P:].unflatten(1, (self.c, self.QB))
 
     def gathered(self, k: Tensor, v: Tensor):
-        """``(a, b, keys, values)`` for units ``a .. b - 1``: their past key blocks gathered,
-        ``(1, b - a, S KB, E)`` each, into two buffers reused slice after slice."""
+        """``(r, a, b, keys, values)`` for the units ``a .. b - 1`` of row ``r``: their past key
+        blocks gathered, ``(1, b - a, S KB, E)`` each, into two buffers reused slice after slice."""
         E = k.shape[-1]
         kf, vf = k.view(-1, self.KB, E), v.view(-1, self.KB, E)
-        U = self.flat.shape[0]
-        n = min(U, self.step) * self.S
+        n = min(self.c, self.step) * self.S
         bk, bv = k.new_empty(n, self.KB, E), v.new_empty(n, self.KB, E)
-        for a in range(0, U, self.step):
-            b = min(U, a + self.step)
-            idx = self.flat[a:b].flatten()
-            kg = torch.index_select(kf, 0, idx, out=bk[: len(idx)])
-            vg = torch.index_select(vf, 0, idx, out=bv[: len(idx)])
-            yield a, b, kg.view(1, b - a, self.S * self.KB, E), vg.view(1, b - a, self.S * self.KB, E)
+        for r in range(self.flat.shape[0]):
+            for a in range(0, self.c, self.step):
+                b = min(self.c, a + self.step)
+                idx = self.flat[r, a:b].flatten()
+                kg = torch.index_select(kf, 0, idx, out=bk[: len(idx)])
+                vg = torch.index_select(vf, 0, idx, out=bv[: len(idx)])
+                yield r, a, b, kg.view(1, b - a, self.S * self.KB, E), vg.view(1, b - a, self.S * self.KB, E)
