@@ -52,13 +52,13 @@ def _call(model, x, backward: bool):
 
 def peak(spec: dict) -> int:
     """Peak bytes of one call, in this process (run by :func:`peak_in_subprocess`)."""
-    from subquad.compare.memory import _peak_cpu
+    from subquad.compare.memory import peak_bytes
 
     torch.set_num_threads(spec["threads"])
     model = block(spec["method"], spec["channels"], spec["heads"])
     _call(model, torch.randn(1, spec["channels"], 8, 8), spec["backward"])  # warm-up: pools, kernels
     x = torch.randn(1, spec["channels"], spec["size"], spec["size"])
-    return _peak_cpu(lambda: _call(model, x, spec["backward"]))
+    return peak_bytes(lambda: _call(model, x, spec["backward"]))
 
 
 def peak_in_subprocess(spec: dict) -> int:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["measure", "measure_in_subprocess", "main"]
+__all__ = ["measure", "measure_in_subprocess", "peak_bytes", "main"]
 
 _WARMUP_N = 64
 
@@ -89,6 +89,14 @@ def _peak_cuda(fn, device) -> int:
     peak = torch.cuda.max_memory_allocated(device)
     del result
     return max(0, peak - base)
+
+
+def peak_bytes(fn, device: torch.device | str = "cpu") -> int:
+    """The peak memory ``fn()`` takes beyond what was allocated before it: on CPU the rise of the
+    resident high-water mark (meaningful in a fresh process started as
+    :func:`measure_in_subprocess` starts one), on CUDA ``torch.cuda.max_memory_allocated``."""
+    device = torch.device(device)
+    return _peak_cuda(fn, device) if device.type == "cuda" else _peak_cpu(fn)
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
