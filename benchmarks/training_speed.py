@@ -7,7 +7,7 @@ Runs ``subquad compare --objective training`` in float32 (B=1, H=8, D=64, i.i.d.
 the median of at least five timed blocks, a point predicted over ``--max-call-seconds`` skipped)
 into ``OUT/training_speed/float32/`` and writes ``OUT/training_speed.md``: per method and N the
 seconds of one forward + backward call and the speed-up over exact attention (SDPA, the fastest
-dense kernel on this CPU at these lengths: ``hybrid_speed.md``) in the same run. Then, per method
+dense kernel on this CPU at these lengths: ``tree_hybrid/hybrid_speed.md``) in the same run. Then, per method
 and N in ``--bf16-n``, one forward + backward with bfloat16 inputs over one with float32 inputs
 (what a layer under ``torch.autocast(dtype=torch.bfloat16)`` hands attention), medians of
 interleaved rounds in this process. Exact attention is left out of that table: without native

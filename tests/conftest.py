@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -34,22 +32,6 @@ torch.set_num_threads(int(os.environ.get("SUBQUAD_TEST_THREADS", "1")))
 for _module in os.environ.get("SUBQUAD_EXTRA_METHODS", "").split(","):
     if _module.strip():
         importlib.import_module(_module.strip())
-
-# one hybrid call per dtype its CPU kernel compiles for (the first call compiles; numba caches it on disk)
-_COMPILE_KERNEL = ("import sys, torch, subquad; q = torch.randn(1, 1, 300, 8, dtype=getattr(torch, sys.argv[1])); "
-                   "subquad.attention(q, q, q, method='hybrid')")
-
-
-def pytest_sessionstart(session):
-    """Under xdist, compile hybrid's CPU kernel for float32 and float64 in two processes at once
-    before the workers start: on a fresh checkout every worker would otherwise compile the same
-    kernels at the same time (about a minute each on 2 cores), then the others load the cache."""
-    if hasattr(session.config, "workerinput") or not getattr(session.config.option, "numprocesses", None):
-        return
-    procs = [subprocess.Popen([sys.executable, "-c", _COMPILE_KERNEL, dtype]) for dtype in ("float32", "float64")]
-    for proc in procs:
-        proc.wait()
-
 
 ATTENTION_METHODS = [m.name for m in subquad.list_methods() if m.kind == "attention"]
 CAUSAL_METHODS = [name for name in ATTENTION_METHODS if subquad.get_method(name).causal]

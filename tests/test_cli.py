@@ -358,12 +358,12 @@ def test_compare_in_float16_shows_progress_at_once_and_finishes():
 
 def test_methods_name_says_what_none_means(capsys):
     """An option whose default is None points to the options' docstring, printed as plain text:
-    hybrid's says its parts are derived from the budget when None."""
-    code, out, _ = run_cli(["methods", "hybrid"], capsys)
+    hedgehog's says a None feature width is the head dim."""
+    code, out, _ = run_cli(["methods", "hedgehog"], capsys)
     assert code == 0
-    assert "  window = None  (what None means: below)" in out
-    text = " ".join(out.split("what the options mean (HybridOptions):")[1].split())
-    assert "derived from the budget when None" in text and "``" not in text
+    assert "  feature_dim = None  (what None means: below)" in out
+    text = " ".join(out.split("what the options mean (HedgehogOptions):")[1].split())
+    assert "(None: the head dim;" in text and "``" not in text
     code, out, _ = run_cli(["methods", "efficient"], capsys)  # no options: no docstring section
     assert code == 0 and "what the options mean" not in out
 

@@ -155,9 +155,8 @@ def _peak_bytes(method: str, n: int, causal: bool) -> int:
 def test_long_bf16_memory_grows_linearly(method, causal):
     """Linear-cost methods in bf16 on the GPU, forward+backward at N = 16384 and 65536: finite,
     and the peak memory grows at most 5x for 4x the tokens (one N x N score matrix would grow
-    16x; at 65536 it alone would take 64 GiB for 8 heads). A fixed cap would not do: hybrid's
-    torch path gathers its budget of keys for every query, linear in N but 30 GiB at 65536
-    causal (benchmarks/results/cuda.md)."""
+    16x; at 65536 it alone would take 64 GiB for 8 heads). A fixed cap would not do: a
+    sparse method's selected keys grow linearly with N, so its peak does too."""
     if causal and not subquad.get_method(method).causal:
         pytest.skip(f"{method} is not causal")
     short, long = (_peak_bytes(method, n, causal) for n in (16384, 65536))
@@ -182,8 +181,8 @@ def test_training_run_on_cuda(method, data_dir, tmp_path):
 
 
 def test_hybrid_decode_state_on_cuda():
-    """hybrid's decoding state (its torch path on CUDA) gives the CPU's outputs over a prefill and
-    single steps, with the descent active (default options, 3000 keys)."""
+    """hybrid's decoding state on CUDA gives the CPU's outputs over a prefill and single steps,
+    with the selection active (default options, 3000 keys: 24 key blocks, 18 attended)."""
     from subquad.ops.hybrid import HybridDecodeState
 
     q, k, v = qkv(1, 2, 3004, 16, dtype=torch.float32)
@@ -199,8 +198,8 @@ def test_hybrid_decode_state_on_cuda():
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_block_sparse_flex_equals_gathered_on_cuda(causal, dtype):
-    """block_sparse's FlexAttention form (Triton, tiles of 128 over 64-key blocks) computes what its
+def test_hybrid_flex_equals_gathered_on_cuda(causal, dtype):
+    """hybrid's FlexAttention form (Triton, tiles of 128 over 64-key blocks) computes what its
     gathered form computes, forward and gradients, with key padding and a length off the bucket."""
     n = 2500
     q, k, v = (t.to(CUDA, dtype).requires_grad_() for t in qkv(2, 2, n, 64, dtype=torch.float32))
@@ -210,7 +209,8 @@ def test_block_sparse_flex_equals_gathered_on_cuda(causal, dtype):
     w = torch.randn(2, 2, n, 64, device=CUDA, dtype=dtype)
     outs, grads = [], []
     for backend in ("flex", "gather"):
-        out = subquad.attention(q, k, v, method="block_sparse", causal=causal, key_padding_mask=mask, backend=backend)
+        out = subquad.attention(q, k, v, method="hybrid", causal=causal, key_padding_mask=mask, backend=backend,
+                                key_block=64)
         (out * w).sum().backward()
         outs.append(out.detach())
         grads.append([t.grad.clone() for t in (q, k, v)])

@@ -390,7 +390,7 @@ def test_one_call_checks_once(monkeypatch):
     def fail(*args, **kwargs):
         raise RuntimeError("inside")
 
-    monkeypatch.setattr(hybrid, "_batch", fail)
+    monkeypatch.setattr(hybrid, "sdpa", fail)  # at 200 keys the defaults select every block: exact
     q = torch.randn(1, 2, 200, 8)
     with pytest.raises(RuntimeError) as err:
         hybrid.hybrid_attention(q, q, q)

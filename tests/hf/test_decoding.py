@@ -18,7 +18,7 @@ transformers.logging.set_verbosity_error()
 
 # how each shipped causal method decodes (a method added later is checked against its own kind)
 KINDS = {"softmax": "keys", "linear": "state", "performer": "state", "hedgehog": "state", "hybrid": "state",
-         "block_sparse": "state", "sinkhorn": "none"}
+         "sinkhorn": "none"}
 
 
 def _retrofit(method, build=tiny_llama, **options):
@@ -140,12 +140,12 @@ def test_attn_implementation_takes_options_from_the_config():
     non-causal method is refused on a decoder at its first call."""
     H.register_attention()
     model = tiny_llama()
-    model.config.subquad_options = {"budget": 12, "window": 2}
+    model.config.subquad_options = {"num_blocks": 2, "key_block": 4}
     model.set_attn_implementation("subquad_hybrid")
     with torch.no_grad():
         model(_ids(1, 20))
     r = H.attention_modules(model)[0][1].subquad_retrofit
-    assert r.method == "hybrid" and r.options == {"budget": 12, "window": 2}
+    assert r.method == "hybrid" and r.options == {"num_blocks": 2, "key_block": 4}
     model.config.subquad_method = "hybrid"  # hybrid's options: linear runs with its defaults
     model.set_attn_implementation("subquad_linear")
     with torch.no_grad():

@@ -5,7 +5,8 @@ state instead of transformers' keys and values: the recurrent state of kernel at
 (:class:`subquad.ops.linear.state.KernelState` for ``linear``, ``performer`` and ``hedgehog``
 without a window), so a generated token costs the same time and memory at any context length; or
 a method's own state (``hybrid``: :class:`subquad.ops.hybrid.HybridDecodeState`, the keys and
-values with an index, so a token costs about its budget and the log of the context).
+values, their block sums and the current query block's selected key blocks, so a token costs
+about its selected keys plus, once per query block, one score per key block).
 :func:`decoding_cache` picks the cache a retrofitted model decodes with, and a retrofitted decoder
 gets it with nothing passed (:mod:`subquad.hf.decoding`)::
 

@@ -2,7 +2,7 @@
 
     subquad retrofit --model minilm --method hedgehog -o window=64 --texts train.txt --steps 300 \\
         --out retrofits/minilm-hedgehog.pt
-    subquad retrofit --model smollm --method hybrid --n 2048 --generate "The capital of France is"
+    subquad retrofit --model smollm --method hybrid --n 4096 --generate "The capital of France is"
 
 An encoder (``minilm``, or a local directory of one): prints the mean / minimum sentence-embedding
 cosine to the exact model and the nearest-neighbour agreement on held-out text (the standard

@@ -14,8 +14,8 @@ decodes with (:func:`subquad.hf.decoding_cache`):
   exact attention (:func:`subquad.hf.retrofit.set_mode`).
 
 How each causal method decodes (:func:`decoding_kind`): ``"state"`` (``linear``, ``performer``,
-``hedgehog`` without a window, ``hybrid``, ``block_sparse``: a StateCache, O(1) or about the
-budget per token),
+``hedgehog`` without a window, ``hybrid``: a StateCache, O(1) or about the selected keys per
+token),
 ``"keys"`` (``softmax``, ``hedgehog`` with a window: transformers' DynamicCache, each new query
 against every cached key) or ``"none"`` (``sinkhorn``: its output at a query depends on the other
 queries of its block and it keeps no state). A ``"none"`` method says so when it is retrofitted (a

@@ -230,6 +230,10 @@ def _subquad_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
                                       f"(this call: causal={causal}, mode={r.mode!r}); use a DynamicCache")
         return r.decode(query, key, value, pad, scaling, layer).transpose(1, 2).contiguous(), None
     causal = causal and m > 1
+    beside_keys = (causal and r.mode == "approx" and r.has_state and not subquad.get_method(r.method).query_local
+                   and getattr(r.active_cache, "layers", None) is not None)
+    if beside_keys and n == m:  # a prefill into transformers' cache: the state starts beside the keys
+        return _decode_beside_keys(module, r, query, key, value, pad, scaling).transpose(1, 2).contiguous(), None
     if causal and n != m:
         # decoding with a KV cache: the queries are the last n positions
         if r.mode == "approx" and not subquad.get_method(r.method).query_local:
@@ -257,15 +261,20 @@ def _decode_beside_keys(module: nn.Module, r: RetrofitAttention, query: Tensor, 
                         pad: Tensor | None, scale: float | None) -> Tensor:
     """The ``n`` new queries of a method whose outputs at different queries depend on each other
     (hybrid) from a cache of keys and values (transformers' DynamicCache): through the method's
-    decoding state, built from the cached keys at the first step and kept on the cache layer. Each
-    step checks the state against the cached keys (their count and sum), so a cache that was
-    cropped, reordered by beam search or filled elsewhere gets a state rebuilt from its keys."""
+    decoding state, started by the prefill and kept on the cache layer. Each
+    step checks the state against the cached keys (their count and sum per batch row): rows that
+    beam search reordered take the state of the row whose keys they hold; a cache that was cropped
+    or filled elsewhere gets a state rebuilt from its keys. The keys are all such a state has of
+    the past, so hybrid's query block in progress then scores its key blocks with zero queries
+    (the next block selects from real queries again)."""
     n, m = query.shape[2], key.shape[2]
     past = m - n
     layers = getattr(r.active_cache, "layers", None)
     cache_layer = layers[module.layer_idx] if layers is not None and module.layer_idx < len(layers) else None
     kept = getattr(cache_layer, KEPT_STATE, None)
     mark = key[:, :, :past].float().sum(2)
+    if kept is not None and kept.seen == past and kept.mark.shape[1:] == mark.shape[1:]:
+        _follow_reordered_rows(kept, mark)
     if (kept is None or kept.seen != past or kept.mark.shape != mark.shape
             or not torch.allclose(kept.mark, mark, rtol=1e-4, atol=1e-4)):
         kept = types.SimpleNamespace(state=None, seen=0, mark=None)
@@ -277,6 +286,18 @@ def _decode_beside_keys(module: nn.Module, r: RetrofitAttention, query: Tensor, 
     if cache_layer is not None:
         setattr(cache_layer, KEPT_STATE, kept)
     return out
+
+
+def _follow_reordered_rows(kept: types.SimpleNamespace, mark: Tensor) -> None:
+    """Where every batch row's cached keys (``mark``: their sum per head) are those of some row of
+    ``kept`` (beam search picked and reordered rows), reorder ``kept``'s state to match."""
+    if kept.mark.shape == mark.shape and torch.allclose(kept.mark, mark, rtol=1e-4, atol=1e-4):
+        return
+    gap = (mark[:, None] - kept.mark[None]).abs() - 1e-4 * kept.mark[None].abs()  # (new, old, H, D)
+    best = gap.flatten(2).amax(-1).min(1)
+    if bool((best.values <= 1e-4).all()) and kept.state is not None and hasattr(kept.state, "select"):
+        kept.state.select(best.indices)
+        kept.mark = kept.mark.index_select(0, best.indices)
 
 
 def _state_layer(module: nn.Module, r: RetrofitAttention) -> Any:

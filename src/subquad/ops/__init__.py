@@ -19,7 +19,6 @@ from .ra import ra_attention
 from .lara import lara_attention
 from .sinkhorn import sinkhorn_attention
 from .hybrid import hybrid_attention
-from .block_sparse import block_sparse_attention
 from .hedgehog import hedgehog_attention
 from .decomposition import cd, factorize, nmf, vq
 
@@ -34,7 +33,6 @@ __all__ = [
     "lara_attention",
     "sinkhorn_attention",
     "hybrid_attention",
-    "block_sparse_attention",
     "hedgehog_attention",
     "nmf",
     "vq",

@@ -1,176 +1,196 @@
-"""Hybrid attention: a local window and selected key groups attended exactly, and a coarse summary
-for every other key.
+"""hybrid: sparse attention for a pretrained model's long context. Each block of consecutive
+queries attends exactly to a shared set of key blocks (the first ``sinks``, the ``local`` ones
+next to it, and the ``num_blocks`` that its scoring queries rate highest), computed as matrix
+products over whole blocks; the keys it leaves out get no weight.
 
-Keys are counted by **rank** among the real keys (padding removed), so a padded batch computes
-exactly what each of its items computes alone. For query ``i`` the keys fall in three sets:
+Selection (``select.py``) is the same for every form: causal, a block is scored by the queries
+before it, so a query's keys depend on nothing at or after its block. The attention itself runs,
+for causal self-attention on the CPU, through torch's fused CPU attention kernel per block of
+queries on its gathered key blocks, forward and backward (``chunk.py``, :func:`attend_causal`);
+otherwise as one FlexAttention call (``parallel.py``; CUDA, forward and backward, and CPU
+inference in float32) or over gathered key blocks with batched matrix products (``chunk.py``;
+autograd, any device and dtype). ``naive.py`` is the dense reference they are tested against.
+``decoding.py`` decodes one token at a time through a state (the keys, their block sums, the
+current block's choice), each token getting its row of the causal op.
 
-- the **window**: ``window`` keys around ``i`` (causal: the ``window`` keys up to ``i``);
-- the **selected leaves**: the ``num_selected`` leaves (groups of ``block_size`` keys) that score
-  highest for ``i`` among its block's candidates, counting only keys ``i`` may select (not in its
-  window; causal: before it);
-- the **rest**, by ``num_summaries`` coarse groups. A coarse group ``c`` enters as one summary:
-  its count ``n'`` and mean key and value over the keys of ``c`` not attended exactly, weighted
-  ``n' exp(s q.k')``. So no key is silently dropped.
+Why blocks: an earlier hybrid chose keys per query (a similarity tree over the keys, descended by
+each query, plus one summary key per unchosen group). Per exact key it was 3-4x more accurate,
+but its per-query work ran at a fraction of the matrix-product rate: on SmolLM2-135M at 8192
+tokens it was either lossy (perplexity x1.19 at its default) or slower than exact attention
+(x1.010 at 1.9x the time), where this form gives x1.006 and runs the whole model 1.2x faster
+(``benchmarks/results/retrofit_lm_hybrid_default/``; the retired estimator's measurements are
+in ``benchmarks/results/tree_hybrid/``). One summary key per unselected block (its mean key with
+logit + log(size), its mean value) was tried on SmolLM2's attention and did not lower the error,
+so the keys left out get no weight.
 
-Equivalently, it is softmax attention in which every key not attended exactly has its logit
-replaced by the mean logit of its coarse group's keys not attended exactly. ``naive.py``
-computes exactly this, densely.
+Related methods: MoBA (Lu et al. 2025, arXiv 2502.13189: blocks gated by their mean key, this
+method's ``score="mean"``), Quest (Tang et al. 2024, arXiv 2406.10774: pages by a per-channel
+bound), attention sinks (Xiao et al. 2023, "Efficient Streaming Language Models with Attention
+Sinks", arXiv 2309.17453: pretrained models park attention on the first tokens, so ``sinks``
+keeps them).
 
-**The key tree** (``index.py``): leaves of ``block_size`` keys, grouped by similarity
-(``grouping="tree"``: each node split at the median of its keys' projections on their top
-principal direction) or by position (``"contiguous"``). Non-causal, one tree over all keys;
-its nodes at depth ``log2(num_summaries)`` are the coarse groups. Causal, the tree splits by
-position down to **sealed chunks** of ``chunk_size`` keys and by similarity inside each chunk,
-so no group mixes a key with later ones; the coarse groups are runs of ranks, and a query
-summarises only the keys before its window.
-
-**Selection** (``select.py``): queries go in blocks of :data:`~.options.QUERY_BLOCK` consecutive
-queries that share one **beam descent** of the tree: from every node of the level with ``beam``
-nodes, each level keeps the ``beam`` children that some query of the block scores best relative
-to its other choices (a node's score: the largest logit a key reaches along the node's principal
-direction, plus the log of its count), down to nodes of ``candidates / beam`` leaves, whose
-leaves are the block's candidates: ``candidates`` leaves for O(beam log N) node scores per
-block. With at most ``candidates`` leaves every leaf is a candidate. The first ``sinks`` leaves
-(where pretrained models park attention: StreamingLLM's attention sinks, Xiao et al. 2023) are
-always candidates. Causal, a block descends only through the chunks sealed before the chunk
-preceding its first window, its descent scores nodes for the 64 queries that end at its first
-query (nothing later steers a choice), and its **recent keys** (from there to each query's
-window) are always candidates, in leaves by position. Each query then scores its candidate
-leaves exactly, by the log-sum-exp of the logits of the keys it may select in them, and takes
-the best ``num_selected``. The idea of compressed + selected + window terms follows Native Sparse
-Attention (Yuan et al. 2025); grouping by key similarity, clustered attention (Vyas et al. 2020);
-scoring a group by its mean key, MoBA (Lu et al. 2025), as ``scoring="mean"`` does.
-
-**Budget**: ``budget`` = keys attended exactly + summaries, per query. The parts not given are
-derived from it: ``num_summaries`` = the largest power of two <= ``budget / 8``, ``window`` =
-``budget // 8``, ``num_selected`` = ``(budget - window - num_summaries) // block_size`` (64 ->
-window 8, 12 leaves of 4, 8 summaries; chosen on all-MiniLM-L6-v2, ``benchmarks/real_fidelity.py``),
-``candidates`` = 8 per selected leaf (at least 128), ``beam`` = a quarter of them. At ``budget >=``
-the number of real keys the op is exact attention. Measured on SmolLM2-135M-Instruct's causal
-attention at 2k-8k tokens in ``benchmarks/results/long_fidelity.md``.
-
-Selection is discrete and has no gradient; everything else (window, selected keys, summaries) is
-differentiable. Cost per query: ``O((window + candidates * block_size + beam log N) D)``, plus the
-tree, ``O(D log N)`` per key and power-iteration step; causal adds up to ``2 chunk_size +
-QUERY_BLOCK`` recent keys. How it is computed: on CPU without autograd by a compiled kernel
-(``kernel.py``, ``kernel_tree.py``; numba), elsewhere and with gradients in torch (``attend.py``),
-the two tested equal; FLOPs: ``flops.py``. Decoding one token at a time against a growing cache
-and its index, without rebuilding the tree: :class:`~.decode.HybridDecodeState` (``decode.py``).
+Cost per query: ``(sinks + local + num_blocks) key_block`` keys (causal: plus up to
+``query_block + key_block`` on the diagonal), plus ``nk`` block scores (``"mass"``); selection is
+discrete and has no gradient, the attention over the selected keys has.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
+from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
+from ...checks import check_choice, check_int
 from ...registry import register_method
 from .._masks import compute_dtype, compute_precision
 from ..softmax import sdpa
-from .attend import hybrid_core, window_starts
-from .decode import HybridDecodeState
-from .index import numpy_path
-from .flops import flops
-from .options import HybridOptions, HybridPlan, plan
+from .chunk import attend_causal, attend_gathered, causal_blocks_available
+from .decoding import HybridDecodeState
+from .parallel import attend_flex, flex_available
+from .select import Selection, past_blocks, select_blocks
 
-__all__ = ["HybridDecodeState", "HybridOptions", "HybridPlan", "hybrid_attention", "plan", "flops", "torch_path"]
+__all__ = ["HybridDecodeState", "HybridOptions", "Selection", "hybrid_attention", "flops",
+           "select_blocks", "SCORES"]
+
+SCORES = ("mass", "mean")
+#: below this many queries the gathered form runs even where FlexAttention could (its compile and
+#: padding to a bucket cost more than the work)
+FLEX_MIN_QUERIES = 2048
+
+
+@dataclass
+class HybridOptions:
+    """``query_block``: consecutive queries that share one set of key blocks (default 128);
+    ``key_block``: keys per block (128: the tile of the CUDA kernels' backward; smaller blocks run
+    there through a table look-up in each visited tile); ``num_blocks``: key blocks each query
+    block selects by score (16: SmolLM2's perplexity within 1 % of exact attention's at 4096 and
+    8192 tokens, zero-shot); ``sinks``: leading key blocks always attended (1); ``local``: key
+    blocks next to the query block always attended (causal: the ``local`` blocks before it; not
+    causal: on each side; 1); ``score``: ``"mean"`` (mean query times mean key, MoBA's gate; the
+    default: on SmolLM2 at 8192 tokens perplexity x1.006 against x1.005 for ``"mass"``, and at
+    65536 tokens its selection takes 0.07 s against 1.7 s) or ``"mass"`` (estimated attention mass
+    of the block for the scoring queries); ``backend``: ``"auto"`` (causal self-attention on the
+    CPU with ``key_block <= query_block``: ``"sdpa"``; else FlexAttention where it runs, for at
+    least 2048 queries; else ``"gather"``), ``"sdpa"`` (torch's fused CPU kernel per query block),
+    ``"flex"`` or ``"gather"``."""
+
+    query_block: int = 128
+    key_block: int = 128
+    num_blocks: int = 16
+    sinks: int = 1
+    local: int = 1
+    score: str = "mean"
+    backend: str = "auto"
+
+    def __post_init__(self):
+        for name in ("query_block", "key_block"):
+            check_int("hybrid", name, getattr(self, name), minimum=1)
+            value = getattr(self, name)
+            if value & (value - 1):
+                raise ValueError(f"hybrid: {name} must be a power of two, got {value}")
+        for name in ("num_blocks", "sinks", "local"):
+            check_int("hybrid", name, getattr(self, name), minimum=0)
+        check_choice("hybrid", "score", self.score, SCORES)
+        check_choice("hybrid", "backend", self.backend, ("auto", "sdpa", "flex", "gather"))
+
+
+def flops(B, H, N, M, D, Dv, o):
+    """Matmul FLOPs of one non-causal forward in the gathered form: each query block against its
+    gathered key blocks (unused slots of its table included), plus the block scores; exact
+    attention's when every block is selected."""
+    kb, qb = o["key_block"], o["query_block"]
+    nk, nq = -(-M // kb), -(-N // qb)
+    if o["num_blocks"] + max(o["sinks"], o["local"], 1) >= nk:
+        return 2 * B * H * N * M * (D + Dv)
+    width = min(nk, o["num_blocks"]) + min(nk, o["sinks"] + max(1, qb // kb) + 2 * o["local"])
+    scores = nq * qb * nk * D if o["score"] == "mass" else nq * nk * D
+    return 2 * B * H * (nq * qb * width * kb * (D + Dv) + scores)
 
 
 @register_method(
     "hybrid",
     options=HybridOptions,
-    summary="window + selected key groups exactly + coarse summaries of the rest",
+    summary="exact attention over the sink, local and top-scoring key blocks of each query block",
     causal=True,
     cross_attention=True,
     complexity="linear",
     flops=flops,
-    test_options={"budget": 9, "block_size": 2, "window": 3, "num_selected": 2, "num_summaries": 2,
-                  "candidates": 4, "beam": 2, "chunk_size": 4},
+    test_options={"query_block": 4, "key_block": 2, "num_blocks": 2, "sinks": 1, "local": 1},
     fullgraph_with_padding=False,  # padding is removed first: shapes from the mask
     decode_state=HybridDecodeState,
 )
 def hybrid_attention(q, k, v, key_padding_mask, causal, scale, *, options: HybridOptions):
-    """Hybrid attention (see the module docstring).
+    """hybrid attention (see the module docstring).
 
     Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
-    Padded keys are never attended, selected or summarised; a query with no real key outputs
-    zeros. Causal: query ``i`` sees the keys at positions ``<= i``. Computes in float32 (float64
-    stays float64), also under autocast."""
+    Causal: query ``i`` sees the keys at positions ``<= i``. Padding is removed first: blocks are
+    counted over each item's real keys (and, in self-attention, its real queries), so a padded
+    batch computes what each item computes alone, and padded content never reaches an output; a
+    query at a padded position takes the output of the last real query before it (causal: zeros
+    when there is none; not causal: the first real query's), an item without real keys outputs
+    zeros. When the selection would take every key block, this is exact attention (SDPA, whose
+    outputs at padded query positions are its own).
+    Computes in float32 (float64 stays float64) except on CUDA, where FlexAttention takes
+    half-precision inputs as they are (accumulating in float32); returns the dtype of q."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    o = options
-    if o.budget >= k.shape[2]:
+    half_on_gpu = q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+    dtype = q.dtype if half_on_gpu else compute_dtype(q.dtype)
+    if _selects_all(k.shape[2], causal, options):  # exact attention, masks as given
         return sdpa(q, k, v, key_padding_mask, causal, scale)
-    dtype = compute_dtype(q.dtype)
     with compute_precision(q):
         qc, kc, vc = q.to(dtype), k.to(dtype), v.to(dtype)
         if key_padding_mask is None or not bool(key_padding_mask.any()):
-            out = _batch(qc, kc, vc, None, causal, scale, o)
-        else:  # each item over its own real keys
-            out = torch.cat([_batch(qc[b: b + 1], kc[b: b + 1], vc[b: b + 1], key_padding_mask[b], causal, scale, o)
-                             for b in range(q.shape[0])])
+            out = _attention(qc, kc, vc, causal, scale, options)
+        else:
+            out = _items(qc, kc, vc, key_padding_mask, causal, scale, options)
     return out.to(q.dtype)
 
 
-def _batch(q: Tensor, k: Tensor, v: Tensor, padding: Tensor | None, causal: bool, scale: float,
-           o: HybridOptions) -> Tensor:
-    """Items that share their padding ``(M,)`` (True = padded; or None). The approximation runs
-    over the real keys only; in self-attention (``N == M``) over the real queries too, and the
-    queries at padded positions output zeros."""
-    B, H, N, _ = q.shape
-    M = k.shape[2]
-    Mv = M if padding is None else M - int(padding.sum())
-    if Mv == 0:
-        return q.new_zeros(B, H, N, v.shape[-1])
-    if o.budget >= Mv:
-        mask = None if padding is None else padding.expand(B, M)
-        return sdpa(q, k, v, mask, causal, scale)
-    if padding is not None:
-        keep = (~padding).nonzero().squeeze(-1)
-        k, v = k.index_select(2, keep), v.index_select(2, keep)
-        if N == M:
-            out = _approximate(q.index_select(2, keep), k, v, None, causal, scale, o)
-            return q.new_zeros(B, H, N, v.shape[-1]).index_copy(2, keep, out)
-    return _approximate(q, k, v, None if padding is None else ~padding, causal, scale, o)
+@torch.compiler.disable  # shapes follow the mask: under torch.compile this runs eagerly, not traced per length
+def _items(q, k, v, key_padding_mask, causal, scale, o):
+    """Each item of a padded batch over its own real keys (:func:`_item`)."""
+    return torch.cat([_item(q[b: b + 1], k[b: b + 1], v[b: b + 1], key_padding_mask[b], causal, scale, o)
+                      for b in range(q.shape[0])])
 
 
-def _approximate(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, causal: bool, scale: float,
-                 o: HybridOptions) -> Tensor:
-    """The estimator over real keys ``k``, ``v`` (rank order); ``valid`` ``(M,)``: which key
-    positions they came from (cross-attention with padding), for the windows."""
-    N, Mv = q.shape[2], k.shape[2]
-    M = Mv if valid is None else valid.shape[0]
-    p = plan(o, Mv, causal)
-    lo = window_starts(N, M, valid, p.window, causal)
-    tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    kernel = None if tracked or not _KERNEL_ON[0] or not numpy_path(q.detach()) else _kernel()
-    if kernel is None:
-        return hybrid_core(q, k, v, lo, causal, scale, p)
-    return kernel.hybrid_kernel(q, k, v, lo, scale, p)
+def _item(q, k, v, padding, causal, scale, o):
+    """One item over its real keys (``padding`` ``(M,)``, True = padded); in self-attention over
+    its real queries too, and a query at a padded position takes the output of the last real query
+    before it (non-causal: of the first real query when none is before; causal: zeros)."""
+    keep = (~padding).nonzero().squeeze(-1)
+    if len(keep) == 0:
+        return q.new_zeros(*q.shape[:3], v.shape[-1])
+    k, v = k.index_select(2, keep), v.index_select(2, keep)
+    if q.shape[2] != padding.shape[0]:  # cross-attention: every query is real
+        return _attention(q, k, v, causal, scale, o)
+    out = _attention(q.index_select(2, keep), k, v, causal, scale, o)
+    rank = (~padding).cumsum(0) - 1  # the last real query at or before each position
+    out = out.index_select(2, rank.clamp_min(0))
+    return out.masked_fill((rank < 0).view(-1, 1), 0.0) if causal else out
 
 
-_KERNEL_ON = [True]  # False inside torch_path()
+def _selects_all(m: int, causal: bool, o: HybridOptions) -> bool:
+    """Whether every query block would attend to every key block it may see (``m`` keys or fewer)."""
+    return o.num_blocks + max(o.sinks, o.local, 0 if causal else 1) >= -(-m // o.key_block)
 
 
-@contextlib.contextmanager
-def torch_path():
-    """Within this context hybrid runs its torch path on the CPU too, as on other devices (the
-    compiled kernel is off): to profile the path's stages or compare the two. Not thread-safe."""
-    before = _KERNEL_ON[0]
-    _KERNEL_ON[0] = False
-    try:
-        yield
-    finally:
-        _KERNEL_ON[0] = before
-
-
-@functools.cache
-def _kernel():
-    """The compiled CPU kernel (:mod:`.kernel`), or None where numba does not import."""
-    try:
-        from . import kernel
-    except ImportError:  # pragma: no cover - numba is a dependency; a platform without its wheels
-        return None
-    return kernel
+def _attention(q, k, v, causal, scale, o):
+    if _selects_all(k.shape[2], causal, o):
+        return sdpa(q, k, v, None, causal, scale)
+    with torch.no_grad():  # selection is discrete: no gradient
+        sq, sk = (q.float(), k.float()) if q.dtype in (torch.float16, torch.bfloat16) else (q, k)
+        sel = select_blocks(sq.detach(), sk.detach(), causal, scale, query_block=o.query_block, key_block=o.key_block,
+                            num_blocks=o.num_blocks, sinks=o.sinks, local=o.local, score=o.score)
+    if o.backend in ("auto", "sdpa") and causal and causal_blocks_available(q, k, sel):
+        return attend_causal(q, k, v, sel, past_blocks(o.num_blocks, o.sinks, o.local), scale)
+    if o.backend == "sdpa":
+        raise ValueError("hybrid: backend='sdpa' runs causal self-attention on the CPU with key_block <= "
+                         "query_block; use backend='auto'")
+    use_flex = o.backend == "flex" or (o.backend == "auto" and q.shape[2] >= FLEX_MIN_QUERIES and flex_available(q))
+    if use_flex:
+        if not flex_available(q):
+            raise ValueError("hybrid: backend='flex' needs CUDA, or float32 CPU tensors without autograd "
+                             "(torch's CPU FlexAttention has no backward); use backend='gather'")
+        return attend_flex(q, k, v, sel, causal, scale)
+    return attend_gathered(q, k, v, sel, causal, scale)

@@ -1,145 +1,170 @@
-"""hybrid's selection: which leaves a block of queries scores exactly (a beam descent of the key
-tree, shared by the block), and which of them each query attends (the leaves whose keys' logits
-give the highest score).
+"""hybrid's selection: which key blocks each block of queries attends exactly.
 
-Scores of a group of keys for a query (scale ``s``), ``"mass"``: the log of the group's attention
-mass, ``log sum_j exp(s q.k_j)``: exact for a leaf (from its keys' logits); for a node estimated
-as ``s q.mean + log n + s max((q.u) p_max, (q.u) p_min)``: the largest logit a key reaches along
-the node's principal direction ``u`` (``p_max``, ``p_min``: the largest and smallest deviation
-``(k_j - mean).u``) plus ``log n``. (The second-order estimate ``s^2 Var(q.k) / 2`` grows with
-the square of the spread and ranks nodes of a few outlying keys far too high; on SmolLM2 this
-estimate selects as well as that one capped by it, at half the elementwise work.) Or
-``"mean"``: ``s q.mean`` (MoBA, Lu et al. 2025).
+Queries go in blocks of ``query_block`` consecutive positions, keys in blocks of ``key_block``.
+Query block ``i`` (positions ``[i QB, (i + 1) QB)``) attends to a set of key blocks shared by
+all its queries:
+
+- causal: the **past** blocks are those whose every key precedes the block's first query
+  (``j < i QB // KB``); of them, the first ``sinks`` and the last ``local`` always, and the
+  ``num_blocks`` others that score best; then the **diagonal** blocks (overlapping the block's
+  positions), inside which the causal mask applies. A block is scored by the ``query_block``
+  queries *before* block ``i`` (positions ``[(i - 1) QB, i QB)``), so nothing at or after a
+  query's block steers its choice, and a decoder knows a block's keys when its first token
+  arrives;
+- not causal: the blocks overlapping the query block's positions and ``local`` blocks on each
+  side, the first ``sinks``, and the ``num_blocks`` others its own queries score best.
+
+Scores (``score``), from each block's mean key ``m_j`` and its count of keys ``n_j``:
+
+- ``"mass"``: the estimated attention mass the scoring queries give the block,
+  ``sum_t softmax_j(s q_t.m_j + log n_j)``: each scoring query's weights over the candidate
+  blocks (a block taken as ``n_j`` copies of its mean key), summed over the queries;
+- ``"mean"``: ``s mean_t(q_t).m_j``, the block-shared form of MoBA's gate (Lu et al. 2025, "MoBA:
+  Mixture of Block Attention for Long-Context LLMs", arXiv 2502.13189).
+
+Blocks are counted over the keys given: the op removes padding first, so each item of a padded
+batch computes what it computes alone.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from .index import KeyIndex, largest, rows
-from . import options as _options
-from .options import HybridPlan
+from .._masks import masked_fill_value
 
-__all__ = ["sealed_ends", "descend", "node_vectors", "node_priors", "leaf_scores"]
+__all__ = ["Selection", "select_blocks", "block_means", "geometry"]
 
-
-def sealed_ends(lo_first: int, p: HybridPlan) -> int:
-    """Causal: the keys (ranks ``[0, end)``) whose sealed chunks a block whose first query's
-    window starts at ``lo_first`` searches through the tree: the chunks before the one before
-    the chunk holding that window start. The keys after them and before each query's window are
-    its recent keys, candidates in leaves by position."""
-    return max(max(lo_first, 0) // p.chunk_size - 1, 0) * p.chunk_size
+# bytes of (query, key block) scores formed at a time
+_SCORE_BYTES = 1 << 26
 
 
-def _allowed(node: Tensor, level: int, sealed: Tensor | None, p: HybridPlan) -> tuple[Tensor, Tensor] | None:
-    """For heap ids ``node`` ``(B, H, nb, K)`` of ``level``: whether each lies in its block's
-    sealed region, and whether it straddles its end (a node split by position that must be
-    opened); None when everything is allowed (not causal)."""
-    if sealed is None:
-        return None
-    size = p.slots >> level
-    start = (node - (1 << level)) * size
-    end = start + size
-    if level >= p.chunk_level:  # similarity splits: a node holds keys of one chunk, in any order
-        start = start // p.chunk_size * p.chunk_size
-        end = start + p.chunk_size
-    s = sealed.view(-1, 1)
-    inside = end <= s
-    straddles = (start < s) & (s < end) if level < p.chunk_level else torch.zeros_like(inside)
-    return inside, straddles
+@dataclass(frozen=True)
+class Selection:
+    """The key blocks of every query block: ``index`` ``(B, H, nq, L)`` key-block ids, ascending
+    among the ``valid`` entries (valid entries first; the others hold 0); ``full`` ``(B, H, nq, L)``:
+    every key of the block is visible to every query of the query block (no causal mask inside,
+    no position past the last key), else the block needs the per-key mask."""
+
+    index: Tensor
+    valid: Tensor
+    full: Tensor
+    query_block: int
+    key_block: int
 
 
-def descend(q: Tensor, index: KeyIndex, sealed: Tensor | None, p: HybridPlan, scale: float) -> tuple[Tensor, Tensor]:
-    """The candidate leaves of each block of queries ``q`` ``(B, H, nb, QB, D)``: start from every
-    node of ``start_level``; at each level score the children of the kept nodes by the best
-    relative score any query of the block gives them (:func:`_block_scores`) and keep the
-    ``beam`` best (+1 when causal, for the node that straddles the sealed end, always opened);
-    the leaves of the nodes kept at ``final_level``. Returns the first slot of each candidate leaf
-    ``(B, H, nb, L)`` and whether it may be chosen. Causal: ``sealed`` ``(nb,)``, only nodes of sealed chunks count."""
-    B, H, nb = q.shape[:3]
+def geometry(n: int, m: int, query_block: int, key_block: int, causal: bool, local: int) -> tuple[Tensor, Tensor]:
+    """Per query block ``(nq,)``, the key blocks ``lo .. hi - 1`` under it, clipped to ``[0, nk]``:
+    causal, those overlapping its positions (``lo``: its first query's block, so the blocks
+    ``j < lo`` precede its first query); not causal, those and ``local`` more on each side."""
+    nq, nk = -(-n // query_block), -(-m // key_block)
+    first = torch.arange(nq) * query_block
+    last = torch.clamp(first + query_block, max=n)  # one past the block's last query
+    if causal:
+        lo = torch.clamp(first // key_block, max=nk)
+        return lo, torch.maximum(torch.clamp(-(-torch.clamp(last, max=m) // key_block), max=nk), lo)
+    lo = torch.clamp(first // key_block - local, min=0, max=nk)
+    return lo, torch.maximum(torch.clamp(-(-last // key_block) + local, max=nk), lo)
+
+
+def _blocks(x: Tensor, size: int) -> Tensor:
+    """``(B, H, L, d)`` viewed ``(B, H, ceil(L / size), size, d)``; copied with zero rows only when
+    ``L`` is not a multiple of ``size``."""
+    B, H, L, d = x.shape
+    n = -(-L // size)
+    if n * size != L:
+        x = torch.nn.functional.pad(x, (0, 0, 0, n * size - L))
+    return x.view(B, H, n, size, d)
+
+
+def _counts(length: int, size: int, like: Tensor) -> Tensor:
+    """Positions in each block of ``size`` ``(ceil(length / size),)``; the last holds what is left."""
+    count = torch.full((-(-length // size),), float(size), dtype=like.dtype, device=like.device)
+    count[-1:] = length - (len(count) - 1) * size
+    return count
+
+
+def block_means(k: Tensor, key_block: int) -> Tensor:
+    """Mean key of each key block ``(B, H, nk, D)`` (the last block's over the keys it has)."""
+    return _blocks(k, key_block).sum(-2) / _counts(k.shape[2], key_block, k).unsqueeze(-1)
+
+
+def _scores(q: Tensor, means: Tensor, key_count: Tensor, candidate: Tensor, score: str, scale: float,
+            query_block: int, causal: bool) -> Tensor:
+    """Each query block's score of each key block ``(B, H, nq, nk)``, -inf where not a candidate
+    (``candidate`` ``(nq, nk)``). The scoring queries of block ``i`` are its own, or (causal) those
+    of block ``i - 1`` (none for block 0). No copy of ``q`` when ``N`` is a multiple of ``query_block``."""
+    B, H, N, D = q.shape
+    qb = _blocks(q, query_block)
+    nq, nk = qb.shape[2], means.shape[2]
+    if score == "mean":
+        s = scale * (qb.sum(-2) / _counts(N, query_block, q).unsqueeze(-1)) @ means.mT
+        if causal:
+            s = torch.cat([torch.zeros_like(s[:, :, :1]), s[:, :, :-1]], 2)
+        return s.masked_fill(~candidate, -math.inf)
+    # logit of block j for query t: s q_t.m_j + log n_j, a large finite negative value where j is no
+    # candidate (so a query with none has finite weights; its block's scores are masked below)
+    bias = key_count.log() + (~candidate).to(q.dtype) * masked_fill_value(q.dtype)  # (nq, nk)
+    if causal:  # block i's candidates, scored by block i - 1's queries: rows 1 .. nq - 1
+        qb, bias = qb[:, :, :-1], bias[1:]
+    keys = (scale * means).mT.unsqueeze(2)  # (B, H, 1, D, nk)
+    rows = qb.shape[2]
+    short = N % query_block and not causal  # the last block's zero rows past the end must not score
+    step = max(1, _SCORE_BYTES // max(1, B * H * query_block * nk * q.element_size()))
+    out = [torch.zeros(B, H, nq - rows, nk, dtype=q.dtype, device=q.device)]
+    for a in range(0, rows, step):
+        logits = torch.matmul(qb[:, :, a: a + step], keys).add_(bias[a: a + step].unsqueeze(-2))
+        weights = torch.softmax(logits, -1)  # (B, H, c, QB, nk): each scoring query's mass over the blocks
+        if short and a + step >= rows:
+            weights[:, :, -1, N % query_block:] = 0
+        out.append(weights.sum(-2))
+    return torch.cat(out, 2).masked_fill(~candidate, -math.inf)
+
+
+def past_blocks(num_blocks: int, sinks: int, local: int) -> int:
+    """The key blocks a causal query block attends before its own positions: the ``sinks`` first,
+    the ``local`` last and ``num_blocks`` chosen. A query block with at most this many key blocks
+    before it attends to all of them (the exact prefix); every form of the op and the decoding
+    state use this one rule."""
+    return sinks + local + num_blocks
+
+
+def select_blocks(q: Tensor, k: Tensor, causal: bool, scale: float, *, query_block: int, key_block: int,
+                  num_blocks: int, sinks: int, local: int, score: str) -> Selection:
+    """The key blocks of every query block (see the module docstring)."""
+    B, H, N, D = q.shape
+    M = k.shape[2]
     dev = q.device
-    keep = p.beam + (sealed is not None)
-    vecs = node_vectors(index, p.scoring, scale) if p.final_level > p.start_level else None
-    node = torch.arange(1 << p.start_level, 2 << p.start_level, device=dev).expand(B, H, nb, -1)
-    score = torch.zeros(node.shape, dtype=q.dtype, device=dev)
-    for level in range(p.start_level + 1, p.final_level + 1):
-        child = torch.stack([2 * node, 2 * node + 1], -1).flatten(-2)
-        alive = (score > -math.inf).repeat_interleave(2, -1)
-        allowed = _allowed(child, level, sealed, p)
-        usable = alive if allowed is None else alive & allowed[0]
-        s = _block_scores(q, index, vecs, child, usable, p)
-        if allowed is not None:
-            s = s.masked_fill(allowed[1] & alive, math.inf)
-        score, pick = largest(s, min(keep, s.shape[-1]))
-        node = child.gather(-1, pick)
-    per_node = 1 << (p.depth - p.final_level)
-    first = (node - (1 << p.final_level)) * (per_node * p.block_size)  # first slot of each node
-    leaf = (first.unsqueeze(-1) + torch.arange(0, per_node * p.block_size, p.block_size, device=dev)).flatten(-2)
-    ok = (score > -math.inf).repeat_interleave(per_node, -1)
-    if sealed is not None:  # only leaves of sealed chunks (a final node may be wider than a chunk)
-        ok = ok & ((leaf // p.chunk_size + 1) * p.chunk_size <= sealed.view(-1, 1))
-    return leaf, ok
-
-
-def node_vectors(index: KeyIndex, scoring: str, scale: float) -> Tensor:
-    """What a node is scored by, ``(B, H, heap, r * D)``: ``s mean`` and (``mass``) ``s u``."""
-    if scoring != "mass":
-        return index.mean * scale
-    return torch.cat([index.mean * scale, index.direction * scale], -1)
-
-
-def node_priors(count: Tensor, scoring: str) -> Tensor:
-    """A node's score before its keys' logits, from its key ``count``: ``log count`` (``"mass"``)
-    or 0 (``"mean"``), -inf where it holds no key."""
-    base = count.clamp_min(1).log() if scoring == "mass" else torch.zeros_like(count)
-    return base.masked_fill(count == 0, -math.inf)
-
-
-def _block_scores(q: Tensor, index: KeyIndex, vecs: Tensor, node: Tensor, usable: Tensor, p: HybridPlan) -> Tensor:
-    """The best score any query of each block gives each of its nodes ``node`` ``(B, H, nb, K)``,
-    each query's scores taken relative to their log-sum-exp over the nodes (so that no query
-    whose logits are large everywhere fills the beam alone; relative to the best node's instead,
-    many nodes would tie at 0); -inf where not ``usable`` or without keys. A chunk
-    of blocks at a time (bounded memory)."""
-    B, H, nb, QB, D = q.shape
-    K = node.shape[-1]
-    r = vecs.shape[-1] // D
-    count = index.count.gather(2, node.flatten(2)).view(node.shape)
-    base = node_priors(count, p.scoring).masked_fill(~usable, -math.inf).unsqueeze(-2)
-    ends = rows(index.ends, node).unsqueeze(-3)  # (B, H, nb, 1, K, 2)
-    step = max(1, _options.CHUNK_BYTES // (B * H * QB * K * r * q.element_size()))
-    out = []
-    for b0 in range(0, nb, step):
-        nd = node[:, :, b0: b0 + step]
-        v = rows(vecs, nd).view(B, H, nd.shape[2], K * r, D)  # rows: node 0's vectors, node 1's, ...
-        proj = (q[:, :, b0: b0 + step] @ v.mT).unflatten(-1, (K, r))
-        score = proj[..., 0].add(base[:, :, b0: b0 + step])
-        if r > 1:  # + s max((q.u) p_max, (q.u) p_min)
-            b, e = proj[..., 1], ends[:, :, b0: b0 + step]
-            score.add_(torch.maximum(b * e[..., 0], b * e[..., 1]))
-        score = score - score.logsumexp(-1, keepdim=True).nan_to_num(neginf=0.0)
-        out.append(score.amax(-2))
-    return torch.cat(out, 2)
-
-
-def leaf_scores(x: Tensor, allowed: Tensor, block_size: int, scoring: str) -> Tensor:
-    """Scores of candidate leaves from their keys' logits: x ``(..., Q, block_size * L)``, ``s
-    q.k`` of the ``L`` leaves' keys slot-major (column ``t * L + l``: key ``t`` of leaf ``l``);
-    allowed ``(..., Q, block_size * L)``: which keys the query may select. Over the allowed keys
-    of each leaf: the log-sum-exp of their logits (``mass``) or their mean logit (``mean``);
-    -inf for a leaf with none. -> ``(..., Q, L)``. In that layout the reductions over a leaf
-    are passes over whole planes (a reduction over the few keys of each leaf is several times
-    slower on CPU)."""
-    x = x.unflatten(-1, (block_size, -1))
-    w = allowed.unflatten(-1, (block_size, -1))
-    if scoring == "mass":
-        xm = x.masked_fill(~w, -math.inf)
-        top = xm.amax(-2)
-        safe = top.masked_fill(top == -math.inf, 0.0)
-        return (xm - safe.unsqueeze(-2)).exp_().sum(-2).log_().add_(safe)
-    wf = w.to(x.dtype)
-    n = wf.sum(-2)
-    return ((x * wf).sum(-2) / n.clamp_min(1)).masked_fill(n == 0, -math.inf)
+    nk = -(-M // key_block)
+    lo, hi = (t.to(dev) for t in geometry(N, M, query_block, key_block, causal, local))
+    j = torch.arange(nk, device=dev)
+    if causal:  # the blocks before the query block's first query
+        candidate = j < lo[:, None]
+        forced = candidate & ((j < sinks) | (j >= lo[:, None] - local))
+    else:
+        candidate = torch.ones(len(lo), nk, dtype=torch.bool, device=dev)
+        forced = ((j >= lo[:, None]) & (j < hi[:, None])) | (j < sinks)
+    s = _scores(q, block_means(k, key_block), _counts(M, key_block, q), candidate, score, scale, query_block, causal)
+    s = s.masked_fill(forced, -math.inf)
+    # ties (as when every score is 0) go to the earlier block
+    top, idx = (t[..., :num_blocks] for t in s.sort(dim=-1, descending=True, stable=True))
+    valid = top > -math.inf
+    span = max(1, query_block // key_block)  # the most key blocks under one query block (powers of two)
+    width = min(nk, sinks + (local if causal else span + 2 * local))  # static: no data-dependent shapes
+    fidx = torch.where(forced, j, nk + j).argsort(-1)[..., :width]  # the forced blocks first
+    idx = torch.cat([fidx.expand(B, H, -1, -1), idx], -1)
+    valid = torch.cat([forced.gather(-1, fidx).expand(B, H, -1, -1), valid], -1)
+    if causal:  # the diagonal blocks, with the causal mask
+        diag = lo[:, None] + torch.arange(span, device=dev)  # (nq, span)
+        idx = torch.cat([idx, diag.clamp(max=max(nk - 1, 0)).expand(B, H, -1, -1)], -1)
+        valid = torch.cat([valid, (diag < hi[:, None]).expand(B, H, -1, -1)], -1)
+    order = torch.where(valid, idx, nk + idx).argsort(-1)
+    idx, valid = idx.gather(-1, order), valid.gather(-1, order)
+    idx = idx.masked_fill(~valid, 0)
+    full = valid & ((idx + 1) * key_block <= M)
+    if causal:
+        full = full & (idx < lo.view(-1, 1))
+    return Selection(idx, valid, full, query_block, key_block)
