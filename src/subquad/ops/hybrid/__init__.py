@@ -19,9 +19,11 @@ but its per-query work ran at a fraction of the matrix-product rate: on SmolLM2-
 tokens it was either lossy (perplexity x1.19 at its default) or slower than exact attention
 (x1.010 at 1.9x the time), where this form gives x1.006 and runs the whole model 1.2x faster
 (``benchmarks/results/retrofit_lm_hybrid_default/``; the retired estimator's measurements are
-in ``benchmarks/results/tree_hybrid/``). One summary key per unselected block (its mean key with
-logit + log(size), its mean value) was tried on SmolLM2's attention and did not lower the error,
-so the keys left out get no weight.
+in ``benchmarks/results/tree_hybrid/``). One summary key per left-out block (its mean key with
+logit + log(size), its mean value, as RetroInfer estimates unselected clusters: arXiv 2505.02922)
+did not lower the error on SmolLM2's attention (0.0279 against 0.0273 at 4096 tokens, 0.0573
+against 0.0546 at 8192: ``benchmarks/results/hybrid_summaries.md``), so the keys left out get no
+weight.
 
 Related methods: MoBA (Lu et al. 2025, arXiv 2502.13189: blocks gated by their mean key, this
 method's ``score="mean"``), Quest (Tang et al. 2024, arXiv 2406.10774: pages by a per-channel
@@ -42,7 +44,7 @@ import torch
 
 from ...checks import check_choice, check_int
 from ...registry import register_method
-from .._masks import compute_dtype, compute_precision
+from .._masks import compute_dtype, compute_precision, each_item_without_padding
 from ..softmax import sdpa
 from .chunk import attend_causal, attend_gathered, causal_blocks_available
 from .decoding import HybridDecodeState
@@ -143,31 +145,9 @@ def hybrid_attention(q, k, v, key_padding_mask, causal, scale, *, options: Hybri
         if key_padding_mask is None or not bool(key_padding_mask.any()):
             out = _attention(qc, kc, vc, causal, scale, options)
         else:
-            out = _items(qc, kc, vc, key_padding_mask, causal, scale, options)
+            out = each_item_without_padding(lambda q, k, v: _attention(q, k, v, causal, scale, options), qc, kc, vc,
+                                            key_padding_mask, causal)
     return out.to(q.dtype)
-
-
-@torch.compiler.disable  # shapes follow the mask: under torch.compile this runs eagerly, not traced per length
-def _items(q, k, v, key_padding_mask, causal, scale, o):
-    """Each item of a padded batch over its own real keys (:func:`_item`)."""
-    return torch.cat([_item(q[b: b + 1], k[b: b + 1], v[b: b + 1], key_padding_mask[b], causal, scale, o)
-                      for b in range(q.shape[0])])
-
-
-def _item(q, k, v, padding, causal, scale, o):
-    """One item over its real keys (``padding`` ``(M,)``, True = padded); in self-attention over
-    its real queries too, and a query at a padded position takes the output of the last real query
-    before it (non-causal: of the first real query when none is before; causal: zeros)."""
-    keep = (~padding).nonzero().squeeze(-1)
-    if len(keep) == 0:
-        return q.new_zeros(*q.shape[:3], v.shape[-1])
-    k, v = k.index_select(2, keep), v.index_select(2, keep)
-    if q.shape[2] != padding.shape[0]:  # cross-attention: every query is real
-        return _attention(q, k, v, causal, scale, o)
-    out = _attention(q.index_select(2, keep), k, v, causal, scale, o)
-    rank = (~padding).cumsum(0) - 1  # the last real query at or before each position
-    out = out.index_select(2, rank.clamp_min(0))
-    return out.masked_fill((rank < 0).view(-1, 1), 0.0) if causal else out
 
 
 def _selects_all(m: int, causal: bool, o: HybridOptions) -> bool:
