@@ -19,6 +19,8 @@ from .ra import ra_attention
 from .lara import lara_attention
 from .sinkhorn import sinkhorn_attention
 from .hybrid import hybrid_attention
+from .topk import topk_attention
+from .quest import quest_attention
 from .hedgehog import hedgehog_attention
 from .decomposition import cd, factorize, nmf, vq
 
@@ -33,6 +35,8 @@ __all__ = [
     "lara_attention",
     "sinkhorn_attention",
     "hybrid_attention",
+    "topk_attention",
+    "quest_attention",
     "hedgehog_attention",
     "nmf",
     "vq",

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "each_item_without_padding",
     "compute_dtype",
     "compute_precision",
     "drop_padded",
@@ -89,3 +90,29 @@ def padding_bias(key_padding_mask: Tensor | None, dtype: torch.dtype) -> Tensor 
         return None
     bias = torch.zeros(key_padding_mask.shape, dtype=dtype, device=key_padding_mask.device)
     return bias.masked_fill_(key_padding_mask, masked_fill_value(dtype))[:, None, None, :]
+
+
+@torch.compiler.disable  # shapes follow the mask: under torch.compile this runs eagerly, not traced per length
+def each_item_without_padding(attend, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor,
+                              causal: bool) -> Tensor:
+    """For methods that cut the sequence by position (blocks, pages): each item of a padded batch
+    over its real keys alone, so that it computes what the item computes unpadded; in
+    self-attention over its real queries too. ``attend(q, k, v) -> out`` on one unpadded item. A
+    query at a padded position takes the output of the last real query before it (not causal: of
+    the first real query when none is before; causal: zeros); an item without real keys outputs
+    zeros."""
+    outs = []
+    for b in range(q.shape[0]):
+        padding = key_padding_mask[b]
+        keep = (~padding).nonzero().squeeze(-1)
+        qb, kb, vb = q[b: b + 1], k[b: b + 1].index_select(2, keep), v[b: b + 1].index_select(2, keep)
+        if len(keep) == 0:
+            outs.append(q.new_zeros(1, q.shape[1], q.shape[2], v.shape[-1]))
+        elif q.shape[2] != padding.shape[0]:  # cross-attention: every query is real
+            outs.append(attend(qb, kb, vb))
+        else:
+            out = attend(qb.index_select(2, keep), kb, vb)
+            rank = (~padding).cumsum(0) - 1  # the last real query at or before each position
+            out = out.index_select(2, rank.clamp_min(0))
+            outs.append(out.masked_fill((rank < 0).view(-1, 1), 0.0) if causal else out)
+    return torch.cat(outs)

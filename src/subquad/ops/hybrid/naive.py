@@ -79,14 +79,23 @@ def hybrid_attention_reference(q, k, v, key_padding_mask=None, causal=False, sca
     o = {"num_blocks": 16, "sinks": 1, "local": 1, **options}
     if o["num_blocks"] + max(o["sinks"], o["local"], 0 if causal else 1) >= -(-M // key_block):
         return softmax_attention_reference(q, k, v, key_padding_mask, causal, scale)  # every block selected
+    return items_over_real_keys(lambda q, k, v: _dense(q, k, v, causal, scale, query_block, key_block, options),
+                                q, k, v, key_padding_mask, causal)
+
+
+def items_over_real_keys(one, q, k, v, key_padding_mask, causal):
+    """``one(q, k, v)`` on each item ``(1, H, n, D)`` over its real keys (self-attention: and real
+    queries); a padded query position copies the last real query before it (causal: zeros where
+    none is, not causal: the first real one)."""
+    B, H, N, _ = q.shape
+    M = k.shape[2]
     out = q.new_zeros(B, H, N, v.shape[-1])
     for b in range(B):
         keep = torch.arange(M) if key_padding_mask is None else (~key_padding_mask[b]).nonzero().squeeze(-1)
         if len(keep) == 0:
             continue
         rows = keep if N == M else torch.arange(N)
-        res = _dense(q[b: b + 1, :, rows], k[b: b + 1, :, keep], v[b: b + 1, :, keep], causal, scale, query_block,
-                     key_block, options)
+        res = one(q[b: b + 1, :, rows], k[b: b + 1, :, keep], v[b: b + 1, :, keep])
         for t in range(N):
             before = [r for r, pos in enumerate(rows.tolist()) if pos <= t]
             if before:

@@ -1,0 +1,104 @@
+"""Quest (Tang et al. 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM
+Inference", arXiv 2406.10774): the keys are cut into pages of ``page_size`` consecutive keys, each
+page keeps the per-channel minimum and maximum of its keys, and a query scores a page by the upper
+bound those give its logits, ``sum_d max(q_d min_d, q_d max_d) >= max over the page's keys of q.k``;
+it attends exactly to the ``num_pages`` pages of highest bound.
+
+Quest selects for one decoded query at a time; here every query selects for itself the same way,
+so a prefill gives each query the row its decoding would. Causal: a query's candidates are the
+pages wholly before its own page, and its own page (its keys up to itself) is always attended
+(Quest scores the partial last page too; keeping it whole costs at most one page and never drops
+the most recent keys). Not causal: every page is a candidate, none forced. Pages are cut over
+the real keys of each item (padding removed first). The selection has no gradient; the softmax
+over the chosen keys has.
+
+This form computes each query's full row of logits (exact attention's cost) to measure what the
+selection keeps, not to be fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ...checks import check_int
+from ...registry import register_method
+from .._masks import each_item_without_padding
+from ..topk import attend_chosen
+
+__all__ = ["QuestOptions", "quest_attention", "page_bounds"]
+
+@dataclass
+class QuestOptions:
+    """``page_size``: keys per page (default 16, Quest's); ``num_pages``: pages each query attends
+    exactly (default 64: 1024 keys, plus its own page when causal)."""
+
+    page_size: int = 16
+    num_pages: int = 64
+
+    def __post_init__(self):
+        check_int("quest", "page_size", self.page_size, minimum=1)
+        check_int("quest", "num_pages", self.num_pages, minimum=1)
+
+
+def flops(B, H, N, M, D, Dv, o):
+    """Matmul FLOPs of one forward as computed: the page bounds (two products with the page
+    minima and maxima), every logit, and the weights times the values."""
+    pages = -(-M // o["page_size"])
+    return 2 * B * H * N * (2 * pages * D + M * (D + Dv))
+
+
+def page_bounds(k: Tensor, page_size: int) -> tuple[Tensor, Tensor]:
+    """Per page ``(B, H, P, D)``: the minimum and the maximum of its keys per channel (the last
+    page may be partial)."""
+    B, H, M, D = k.shape
+    P = -(-M // page_size)
+    pad = P * page_size - M
+    kp = torch.nn.functional.pad(k, (0, 0, 0, pad)).view(B, H, P, page_size, D)
+    real = (torch.arange(P * page_size, device=k.device) < M).view(P, page_size, 1)
+    return kp.masked_fill(~real, torch.inf).amin(3), kp.masked_fill(~real, -torch.inf).amax(3)
+
+
+def chosen_keys(q: Tensor, lo: Tensor, hi: Tensor, start: int, M: int, causal: bool, page_size: int,
+                num_pages: int) -> Tensor:
+    """``(B, H, n, M)``: the keys of the pages the queries ``q`` (positions ``start ..``) choose."""
+    n, P = q.shape[2], lo.shape[2]
+    bound = q.clamp(min=0) @ hi.mT + q.clamp(max=0) @ lo.mT  # (B, H, n, P): >= every logit of the page
+    page = torch.arange(P, device=q.device)
+    own = (torch.arange(start, start + n, device=q.device) // page_size)[:, None]  # (n, 1)
+    if causal:
+        bound = bound.masked_fill(page >= own, -torch.inf)  # candidates: the pages wholly before its own
+    top = bound.topk(min(num_pages, P), dim=-1)
+    chosen = torch.zeros_like(bound, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
+    if causal:
+        chosen = chosen | (page == own)
+    return chosen.repeat_interleave(page_size, -1)[..., :M]
+
+
+@register_method("quest", options=QuestOptions,
+                 summary="exact softmax over each query's pages of highest per-channel logit bound (Quest)",
+                 causal=True, cross_attention=True, complexity="quadratic", flops=flops, query_local=True,
+                 test_options={"page_size": 2, "num_pages": 2}, fullgraph_with_padding=False)
+def quest_attention(q, k, v, key_padding_mask, causal, scale, *, page_size, num_pages):
+    """Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
+    Causal: query ``i`` sees the keys ``<= i``. Pages are cut over each item's real keys (padding
+    is removed first, as hybrid does: a padded batch computes what each item computes alone); a
+    query at a padded position takes the output of the last real query before it (causal: zeros
+    when there is none; not causal: the first real query's), an item without real keys outputs
+    zeros. Float32 math under autocast (float64 stays float64); returns the dtype of q."""
+
+    def attend(q, k, v):
+        bounds = []
+
+        def choose(qc, start, ranked):
+            if not bounds:  # the pages' bounds once, in the compute dtype
+                bounds.extend(page_bounds(k.detach().to(qc.dtype), page_size))
+            return chosen_keys(qc, *bounds, start, ranked.shape[-1], causal, page_size, num_pages)
+
+        return attend_chosen(q, k, v, None, causal, scale, choose)
+
+    if key_padding_mask is None or not bool(key_padding_mask.any()):
+        return attend(q, k, v)
+    return each_item_without_padding(attend, q, k, v, key_padding_mask, causal)

@@ -1,0 +1,100 @@
+"""Top-k attention: each query attends with exact softmax to the ``top_k`` keys with its largest
+logits (causal: among the keys at or before it), the others get no weight. The reference every
+training-free sparse method approximates: for a given number of exact keys per query, no choice
+of keys leaves less softmax mass out. It forms each query's full row of logits, so it costs what
+exact attention costs; it measures how close a budget of keys can get, not speed (MagicPIG, Chen
+et al. 2024, arXiv 2410.16179, compares against it; so does this library's sparse-method table).
+
+Ties at the ``top_k``-th largest logit are all kept (a row may then hold more than ``top_k`` keys);
+a query with at most ``top_k`` visible keys gets exact attention over them. The selection has no
+gradient; the softmax over the selected keys has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ...checks import check_int
+from ...registry import register_method
+from .._masks import compute_dtype, compute_precision, drop_padded, masked_fill_value
+
+__all__ = ["TopkOptions", "attend_chosen", "topk_attention"]
+
+#: bytes of logits formed at once (queries are taken in chunks)
+_CHUNK_BYTES = 1 << 26
+
+
+@dataclass
+class TopkOptions:
+    """``top_k``: keys each query attends exactly (default 256)."""
+
+    top_k: int = 256
+
+    def __post_init__(self):
+        check_int("topk", "top_k", self.top_k, minimum=1)
+
+
+def flops(B, H, N, M, D, Dv, o):
+    """Matmul FLOPs of one forward as computed: every logit, and the weights (zero outside the top
+    keys) times the values."""
+    return 2 * B * H * N * M * (D + Dv)
+
+
+def visible_logits(q: Tensor, k: Tensor, start: int, key_padding_mask: Tensor | None, causal: bool,
+                   scale: float) -> tuple[Tensor, Tensor]:
+    """Logits of the queries ``q`` (``(B, H, n, D)``, positions ``start ..``) against every key,
+    and which keys each may see ``(B, 1 or H, n, M)`` (not padded; causal: at or before it)."""
+    logits = (q * scale) @ k.mT
+    n, M = q.shape[2], k.shape[2]
+    visible = torch.ones(1, 1, n, M, dtype=torch.bool, device=q.device)
+    if causal:
+        positions = torch.arange(start, start + n, device=q.device)[:, None]
+        visible = visible & (torch.arange(M, device=q.device) <= positions)
+    if key_padding_mask is not None:
+        visible = visible & ~key_padding_mask[:, None, None, :]
+    return logits, visible
+
+
+def attend_chosen(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool,
+                  scale: float | None, choose: Callable[[Tensor, int, Tensor], Tensor]) -> Tensor:
+    """Softmax attention of each query over the keys ``choose`` picks for it: per chunk of queries
+    (positions ``start ..``), ``choose(q_chunk, start, ranked) -> (B, H, n, M)`` bool, where
+    ``ranked`` holds the chunk's logits with the keys it may not see (padded; causal: later) at
+    -inf; it runs without gradient. A NaN logit is always kept, so a NaN input reaches the output
+    as exact attention's would. A query without a visible key outputs zeros. Float32 math under
+    autocast (float64 stays float64); returns the dtype of q."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dtype = compute_dtype(q.dtype)
+    B, H, N, _ = q.shape
+    M = k.shape[2]
+    step = max(1, _CHUNK_BYTES // max(1, 4 * B * H * M * 4))
+    with compute_precision(q):
+        qc, kc, vc = q.to(dtype), k.to(dtype), drop_padded(v.to(dtype), key_padding_mask)
+        out = []
+        for a in range(0, N, step):
+            logits, visible = visible_logits(qc[:, :, a: a + step], kc, a, key_padding_mask, causal, scale)
+            with torch.no_grad():
+                ranked = logits.detach().masked_fill(~visible, -torch.inf)
+                keep = visible & (choose(qc[:, :, a: a + step].detach(), a, ranked) | ranked.isnan())
+            weights = torch.softmax(logits.masked_fill(~keep, masked_fill_value(dtype)), -1) * keep
+            out.append(weights @ vc)
+    return torch.cat(out, 2).to(q.dtype)
+
+
+@register_method("topk", options=TopkOptions, summary="exact softmax over each query's top-k keys by logit",
+                 causal=True, cross_attention=True, complexity="quadratic", flops=flops, query_local=True,
+                 test_options={"top_k": 3})
+def topk_attention(q, k, v, key_padding_mask, causal, scale, *, top_k):
+    """Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
+    Causal: query ``i`` sees the keys ``<= i``. Padded keys get no weight; a query without a
+    visible key outputs zeros. Float32 math under autocast (float64 stays float64); returns the
+    dtype of q."""
+
+    def choose(_q, _start, ranked):
+        return ranked >= ranked.topk(min(top_k, ranked.shape[-1]), dim=-1).values[..., -1:]
+
+    return attend_chosen(q, k, v, key_padding_mask, causal, scale, choose)
