@@ -21,6 +21,7 @@ from .sinkhorn import sinkhorn_attention
 from .hybrid import hybrid_attention
 from .topk import topk_attention
 from .quest import quest_attention
+from .moba import moba_attention
 from .hedgehog import hedgehog_attention
 from .decomposition import cd, factorize, nmf, vq
 
@@ -37,6 +38,7 @@ __all__ = [
     "hybrid_attention",
     "topk_attention",
     "quest_attention",
+    "moba_attention",
     "hedgehog_attention",
     "nmf",
     "vq",

@@ -18,6 +18,7 @@ selection keeps, not to be fast.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ from ...registry import register_method
 from .._masks import each_item_without_padding
 from ..topk import attend_chosen
 
-__all__ = ["QuestOptions", "quest_attention", "page_bounds"]
+__all__ = ["QuestOptions", "attend_pages", "bound", "page_bounds", "page_keys", "quest_attention"]
 
 @dataclass
 class QuestOptions:
@@ -61,20 +62,49 @@ def page_bounds(k: Tensor, page_size: int) -> tuple[Tensor, Tensor]:
     return kp.masked_fill(~real, torch.inf).amin(3), kp.masked_fill(~real, -torch.inf).amax(3)
 
 
-def chosen_keys(q: Tensor, lo: Tensor, hi: Tensor, start: int, M: int, causal: bool, page_size: int,
-                num_pages: int) -> Tensor:
-    """``(B, H, n, M)``: the keys of the pages the queries ``q`` (positions ``start ..``) choose."""
-    n, P = q.shape[2], lo.shape[2]
-    bound = q.clamp(min=0) @ hi.mT + q.clamp(max=0) @ lo.mT  # (B, H, n, P): >= every logit of the page
-    page = torch.arange(P, device=q.device)
-    own = (torch.arange(start, start + n, device=q.device) // page_size)[:, None]  # (n, 1)
+def page_keys(scores: Tensor, start: int, M: int, causal: bool, page_size: int, num_pages: int) -> Tensor:
+    """``(B, H, n, M)``: the keys of the ``num_pages`` pages of highest ``scores`` ``(B, H, n, P)``
+    for the queries at positions ``start ..`` (causal: among the pages wholly before the query's
+    own page, and that page too)."""
+    n, P = scores.shape[2:]
+    page = torch.arange(P, device=scores.device)
+    own = (torch.arange(start, start + n, device=scores.device) // page_size)[:, None]  # (n, 1)
     if causal:
-        bound = bound.masked_fill(page >= own, -torch.inf)  # candidates: the pages wholly before its own
-    top = bound.topk(min(num_pages, P), dim=-1)
-    chosen = torch.zeros_like(bound, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
+        scores = scores.masked_fill(page >= own, -torch.inf)
+    top = scores.topk(min(num_pages, P), dim=-1)
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
     if causal:
         chosen = chosen | (page == own)
     return chosen.repeat_interleave(page_size, -1)[..., :M]
+
+
+def attend_pages(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool,
+                 scale: float | None, page_size: int, num_pages: int,
+                 summarise: Callable[[Tensor], tuple[Tensor, ...]],
+                 score: Callable[..., Tensor]) -> Tensor:
+    """Softmax attention of each query over the keys of its ``num_pages`` best pages
+    (:func:`page_keys`), the pages cut over each item's real keys: ``summarise(k)`` per item once
+    (in the compute dtype, no gradient), ``score(q, *summary) -> (B, H, n, P)`` per chunk of
+    queries. Padding is removed first (:func:`~subquad.ops._masks.each_item_without_padding`)."""
+
+    def attend(q, k, v):
+        summary = []
+
+        def choose(qc, start, ranked):
+            if not summary:
+                summary.extend(summarise(k.detach().to(qc.dtype)))
+            return page_keys(score(qc, *summary), start, ranked.shape[-1], causal, page_size, num_pages)
+
+        return attend_chosen(q, k, v, None, causal, scale, choose)
+
+    if key_padding_mask is None or not bool(key_padding_mask.any()):
+        return attend(q, k, v)
+    return each_item_without_padding(attend, q, k, v, key_padding_mask, causal)
+
+
+def bound(q: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
+    """Quest's page score ``sum_d max(q_d lo_d, q_d hi_d)``, at least every logit of the page."""
+    return q.clamp(min=0) @ hi.mT + q.clamp(max=0) @ lo.mT
 
 
 @register_method("quest", options=QuestOptions,
@@ -88,17 +118,5 @@ def quest_attention(q, k, v, key_padding_mask, causal, scale, *, page_size, num_
     query at a padded position takes the output of the last real query before it (causal: zeros
     when there is none; not causal: the first real query's), an item without real keys outputs
     zeros. Float32 math under autocast (float64 stays float64); returns the dtype of q."""
-
-    def attend(q, k, v):
-        bounds = []
-
-        def choose(qc, start, ranked):
-            if not bounds:  # the pages' bounds once, in the compute dtype
-                bounds.extend(page_bounds(k.detach().to(qc.dtype), page_size))
-            return chosen_keys(qc, *bounds, start, ranked.shape[-1], causal, page_size, num_pages)
-
-        return attend_chosen(q, k, v, None, causal, scale, choose)
-
-    if key_padding_mask is None or not bool(key_padding_mask.any()):
-        return attend(q, k, v)
-    return each_item_without_padding(attend, q, k, v, key_padding_mask, causal)
+    return attend_pages(q, k, v, key_padding_mask, causal, scale, page_size, num_pages,
+                        lambda k: page_bounds(k, page_size), bound)

@@ -1,0 +1,68 @@
+"""MoBA, mixture of block attention (Lu et al. 2025, "MoBA: Mixture of Block Attention for
+Long-Context LLMs", arXiv 2502.13189): the keys are cut into blocks of ``block_size``; each query
+scores every block by its gate ``q . mean(block's keys)`` and attends exactly to the
+``top_blocks`` blocks of highest gate. Causal, as in the paper: the candidates are the blocks
+wholly before the query's own block, and its own block (its keys up to itself) is always attended.
+Not causal: every block is a candidate, none forced. Blocks are cut over each item's real keys
+(padding removed first, as in ``quest`` and ``hybrid``).
+
+MoBA gates per query; ``hybrid`` (``score="mean"``) gates per block of queries with the mean of
+the queries before the block, which makes its selection a matrix product per block. This form
+computes every logit (exact attention's cost) to measure what MoBA's selection keeps, not to be
+fast. The selection has no gradient; the softmax over the chosen keys has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ...checks import check_int
+from ...registry import register_method
+from ..quest import attend_pages
+
+__all__ = ["MobaOptions", "block_means", "moba_attention"]
+
+
+@dataclass
+class MobaOptions:
+    """``block_size``: keys per block (default 128); ``top_blocks``: blocks each query attends by
+    gate (default 8: 1024 keys, plus its own block when causal)."""
+
+    block_size: int = 128
+    top_blocks: int = 8
+
+    def __post_init__(self):
+        check_int("moba", "block_size", self.block_size, minimum=1)
+        check_int("moba", "top_blocks", self.top_blocks, minimum=1)
+
+
+def flops(B, H, N, M, D, Dv, o):
+    """Matmul FLOPs of one forward as computed: the gates, every logit, the weights times values."""
+    return 2 * B * H * N * (-(-M // o["block_size"]) * D + M * (D + Dv))
+
+
+def block_means(k: Tensor, block_size: int) -> tuple[Tensor]:
+    """``((B, H, P, D),)``: the mean key of each block (the last one over its keys alone)."""
+    B, H, M, D = k.shape
+    P = -(-M // block_size)
+    sums = F.pad(k, (0, 0, 0, P * block_size - M)).view(B, H, P, block_size, D).sum(3)
+    counts = torch.clamp(M - torch.arange(P, device=k.device) * block_size, max=block_size)
+    return (sums / counts.view(P, 1).to(k.dtype),)
+
+
+@register_method("moba", options=MobaOptions,
+                 summary="exact softmax over each query's blocks of highest gate q . mean(k) (MoBA)",
+                 causal=True, cross_attention=True, complexity="quadratic", flops=flops, query_local=True,
+                 test_options={"block_size": 2, "top_blocks": 2}, fullgraph_with_padding=False)
+def moba_attention(q, k, v, key_padding_mask, causal, scale, *, block_size, top_blocks):
+    """Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
+    Causal: query ``i`` sees the keys ``<= i``. A query at a padded position takes the output of
+    the last real query before it (causal: zeros when there is none; not causal: the first real
+    query's), an item without real keys outputs zeros. Float32 math under autocast (float64 stays
+    float64); returns the dtype of q."""
+    return attend_pages(q, k, v, key_padding_mask, causal, scale, block_size, top_blocks,
+                        lambda k: block_means(k, block_size), lambda q, means: q @ means.mT)
