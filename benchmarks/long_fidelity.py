@@ -32,8 +32,10 @@ Rows, per N:
   hybrid's rows at 2048: 2.5 minutes); ``--svd-heads K`` computes the limit on K heads per layer
   (evenly spaced, so 3 heads are one per key/value group), and the table then says so.
 - every registered method that supports ``causal=True`` (``--methods`` to choose): its defaults, and at
-  each budget B in ``--budgets`` its budget-like option (``num_features``, ``num_landmarks`` or
-  ``block_size``, the first it has) = B (hybrid has none: its rows are its defaults and ``--rows``).
+  each budget B in ``--budgets``: a sparse method (hybrid, topk, quest, moba) under its registry
+  entry's ``budget_options`` for B exact keys a query (beyond its own block), the others with
+  their budget-like option (``num_features``, ``num_landmarks`` or ``block_size``, the first they
+  have) = B.
   Stochastic methods get a generator seeded per layer. A row that raises is reported with its error and the run goes on.
 """
 
@@ -102,8 +104,12 @@ def method_rows(methods: list[str], budgets: list[int]) -> list[tuple[str, str, 
         info = subquad.get_method(name)
         knob = next((o for o in BUDGET_OPTIONS if o in info.option_names), None)
         variants = [("defaults", {})]
-        for b in budgets if knob else []:
-            variants.append((f"{knob}={b}", {knob: b}))
+        for b in budgets if knob or info.budget_options else []:
+            if info.budget_options:
+                options = info.budget_options(info.make_options(), b)
+                variants.append((f"{b} keys: " + ", ".join(f"{n}={x}" for n, x in options.items()), options))
+            else:
+                variants.append((f"{knob}={b}", {knob: b}))
         for label, options in variants:
             try:
                 key = (name, repr(sorted(full_options(info, options).items())))

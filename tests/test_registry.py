@@ -396,3 +396,24 @@ def test_one_call_checks_once(monkeypatch):
         hybrid.hybrid_attention(q, q, q)
     names = [frame.name for frame in traceback.extract_tb(err.value.__traceback__)]
     assert names.count("hybrid_attention") == 1 and names.count("hybrid_attention_impl") == 1
+
+
+SPARSE = [m.name for m in subquad.list_methods() if m.budget_options is not None]
+SMALL_BLOCKS = {"hybrid": {"query_block": 16, "key_block": 16}, "quest": {"page_size": 8}, "moba": {"block_size": 8}}
+
+
+@pytest.mark.parametrize("method", SPARSE)
+@pytest.mark.parametrize("causal", [False, True])
+def test_budget_options_attend_about_the_budget(method, causal):
+    """Under ``budget_options(options, 64)`` the last query attends exactly to at least 64 keys
+    and at most 64 + its own block's 16 (one-hot values show which keys it used)."""
+    assert {"topk", "quest", "moba", "hybrid"} <= set(SPARSE)
+    info = subquad.get_method(method)
+    base = SMALL_BLOCKS.get(method, {})
+    options = {**base, **info.budget_options(info.make_options(**base), 64)}
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 1, 256, 8, generator=g, dtype=torch.float64), torch.randn(1, 1, 256, 8, generator=g,
+                                                                                   dtype=torch.float64)
+    v = torch.eye(256, dtype=torch.float64)[None, None]
+    used = int((subquad.attention(q, k, v, method=method, causal=causal, **options)[0, 0, -1] > 0).sum())
+    assert 64 <= used <= 64 + 16, (options, used)

@@ -105,6 +105,11 @@ class MethodInfo:
     #: per-layer state with ``attend(q, k, v, key_padding_mask, scale) -> out`` for the new tokens
     #: (which then join it), ``select(batch_index)``, ``nbytes()`` and ``seen``
     decode_state: Callable[[Any], Any] | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: ``budget_options(options, keys) -> {option name: value}``: for a sparse method, the options
+    #: that change from ``options`` so that a query attends exactly to about ``keys`` keys (beyond
+    #: its own block or page): one budget for every sparse method, so they compare at equal cost
+    budget_options: Callable[[Any, int], dict[str, Any]] | None = dataclasses.field(default=None, repr=False,
+                                                                                   compare=False)
     #: ``learned_init(options, num_heads, head_dim) -> {option name: tensor}``: the tensors a method
     #: learns, which its op takes as options, at their initial values (hedgehog's feature maps); a
     #: layer (:class:`subquad.layers.AttentionCore`, a retrofit) keeps them as parameters
@@ -235,6 +240,7 @@ def register_method(
     kernel_features: Callable[[Any], Callable[..., tuple[Tensor, Tensor]] | None] | None = None,
     learned_init: Callable[..., dict[str, Tensor]] | None = None,
     decode_state: Callable[[Any], Any] | None = None,
+    budget_options: Callable[[Any, int], dict[str, Any]] | None = None,
 ) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
     """Decorator: register ``impl(q, k, v, key_padding_mask, causal, scale, **options)`` (or, when it
     has a parameter ``options``, ``impl(..., options=<the validated dataclass>)``) under ``name``
@@ -278,7 +284,8 @@ def register_method(
                     peer=peer, test_options=test_options, sampling_options=sampling_options,
                     fullgraph_with_padding=fullgraph_with_padding, length_multiple=length_multiple, exact=exact,
                     logit_scale=logit_scale, query_local=query_local, fixed_draw=fixed_draw,
-                    kernel_features=kernel_features, learned_init=learned_init, decode_state=decode_state)
+                    kernel_features=kernel_features, learned_init=learned_init, decode_state=decode_state,
+                    budget_options=budget_options)
         return op
 
     return decorator

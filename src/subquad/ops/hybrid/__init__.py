@@ -109,6 +109,12 @@ def flops(B, H, N, M, D, Dv, o):
     return 2 * B * H * (nq * qb * width * kb * (D + Dv) + scores)
 
 
+def budget_options(o: HybridOptions, keys: int) -> dict:
+    """About ``keys`` keys a query beyond its own block: ``keys / key_block`` blocks, the sinks and
+    local ones among them."""
+    return {"num_blocks": max(0, keys // o.key_block - o.sinks - o.local)}
+
+
 @register_method(
     "hybrid",
     options=HybridOptions,
@@ -120,6 +126,7 @@ def flops(B, H, N, M, D, Dv, o):
     test_options={"query_block": 4, "key_block": 2, "num_blocks": 2, "sinks": 1, "local": 1},
     fullgraph_with_padding=False,  # padding is removed first: shapes from the mask
     decode_state=HybridDecodeState,
+    budget_options=budget_options,
 )
 def hybrid_attention(q, k, v, key_padding_mask, causal, scale, *, options: HybridOptions):
     """hybrid attention (see the module docstring).

@@ -87,7 +87,7 @@ def attend_chosen(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | No
 
 @register_method("topk", options=TopkOptions, summary="exact softmax over each query's top-k keys by logit",
                  causal=True, cross_attention=True, complexity="quadratic", flops=flops, query_local=True,
-                 test_options={"top_k": 3})
+                 test_options={"top_k": 3}, budget_options=lambda o, keys: {"top_k": max(1, keys)})
 def topk_attention(q, k, v, key_padding_mask, causal, scale, *, top_k):
     """Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
     Causal: query ``i`` sees the keys ``<= i``. Padded keys get no weight; a query without a
