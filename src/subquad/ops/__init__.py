@@ -22,6 +22,7 @@ from .hybrid import hybrid_attention
 from .topk import topk_attention
 from .quest import quest_attention
 from .moba import moba_attention
+from .xattention import xattention_attention
 from .hedgehog import hedgehog_attention
 from .decomposition import cd, factorize, nmf, vq
 
@@ -39,6 +40,7 @@ __all__ = [
     "topk_attention",
     "quest_attention",
     "moba_attention",
+    "xattention_attention",
     "hedgehog_attention",
     "nmf",
     "vq",

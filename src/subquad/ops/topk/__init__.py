@@ -60,18 +60,19 @@ def visible_logits(q: Tensor, k: Tensor, start: int, key_padding_mask: Tensor | 
 
 
 def attend_chosen(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool,
-                  scale: float | None, choose: Callable[[Tensor, int, Tensor], Tensor]) -> Tensor:
+                  scale: float | None, choose: Callable[[Tensor, int, Tensor], Tensor],
+                  chunk_multiple: int = 1) -> Tensor:
     """Softmax attention of each query over the keys ``choose`` picks for it: per chunk of queries
-    (positions ``start ..``), ``choose(q_chunk, start, ranked) -> (B, H, n, M)`` bool, where
-    ``ranked`` holds the chunk's logits with the keys it may not see (padded; causal: later) at
-    -inf; it runs without gradient. A NaN logit is always kept, so a NaN input reaches the output
-    as exact attention's would. A query without a visible key outputs zeros. Float32 math under
-    autocast (float64 stays float64); returns the dtype of q."""
+    (positions ``start ..``, a multiple of ``chunk_multiple``), ``choose(q_chunk, start, ranked) ->
+    (B, H, n, M)`` bool, where ``ranked`` holds the chunk's logits with the keys it may not see
+    (padded; causal: later) at -inf; it runs without gradient. A NaN logit is always kept, so a
+    NaN input reaches the output as exact attention's would. A query without a visible key
+    outputs zeros. Float32 math under autocast (float64 stays float64); returns the dtype of q."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dtype = compute_dtype(q.dtype)
     B, H, N, _ = q.shape
     M = k.shape[2]
-    step = max(1, _CHUNK_BYTES // max(1, 4 * B * H * M * 4))
+    step = max(1, _CHUNK_BYTES // max(1, 4 * B * H * M * 4) // chunk_multiple) * chunk_multiple
     with compute_precision(q):
         qc, kc, vc = q.to(dtype), k.to(dtype), drop_padded(v.to(dtype), key_padding_mask)
         out = []
