@@ -136,7 +136,8 @@ def report(args: argparse.Namespace) -> None:
         "with P key-value pairs, then every key appears once more and the model must name its value. Test "
         "accuracy over the queries (%, best-validation model; chance 0.8 %) of the 2-layer encoder (dim 64, "
         "1 head, a width-3 causal short convolution before each mixer as in Zoology's models) with each "
-        f"method at its default options, trained once per N on samples of {'/'.join(map(str, TRAIN_PAIRS))} "
+        "method at its default options (" + "; ".join(f"{m}: {o}" for m, o in METHOD_OPTIONS.items())
+        + f"), trained once per N on samples of {'/'.join(map(str, TRAIN_PAIRS))} "
         "pairs (and of the lengths up to N in turn, beyond N = 256) "
         f"({PROTOCOL['steps']} steps of batch {PROTOCOL['batch_size']}, lr {PROTOCOL['lr']}, vocabulary "
         f"{TASK['vocab_size']}) and tested at each P on {TASK['eval_size']} samples ({len(runs)} runs, "
