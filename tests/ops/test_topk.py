@@ -51,3 +51,23 @@ def test_each_query_keeps_exactly_its_top_keys():
 def test_gradients_through_the_selected_keys():
     q, k, v = (t.requires_grad_() for t in qkv(1, 2, 9, 4))
     torch.autograd.gradcheck(lambda q, k, v: topk_attention(q, k, v, causal=True, top_k=3), (q, k, v))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("top_p", [0.3, 0.8, 0.999])
+def test_top_p_matches_naive(causal, top_p):
+    q, k, v = qkv(2, 2, 13, 8, dv=5)
+    mask = _mask(2, 13)
+    out = topk_attention(q, k, v, key_padding_mask=mask, causal=causal, top_k=6, top_p=top_p, scale=1.5)
+    ref = topk_attention_reference(q, k, v, mask, causal, scale=1.5, top_k=6, top_p=top_p)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_top_p_keeps_the_fewest_keys_that_hold_the_share():
+    """A query whose softmax puts 0.6, 0.3, 0.1 on three keys: p = 0.5 keeps one key, 0.7 two, 0.95 three."""
+    k = torch.eye(3, dtype=torch.float64)[None, None]
+    q = torch.log(torch.tensor([[0.6, 0.3, 0.1]], dtype=torch.float64))[None, None]
+    v = torch.eye(3, dtype=torch.float64)[None, None]
+    for p, used in ((0.5, 1), (0.7, 2), (0.95, 3)):
+        out = topk_attention(q, k, v, top_k=3, top_p=p, scale=1.0)
+        assert int((out[0, 0, 0] > 0).sum()) == used, p

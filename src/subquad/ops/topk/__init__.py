@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...checks import check_int
+from ...checks import check_float, check_int
 from ...registry import register_method
 from .._masks import compute_dtype, compute_precision, drop_padded, masked_fill_value
 
@@ -30,12 +30,19 @@ _CHUNK_BYTES = 1 << 26
 
 @dataclass
 class TopkOptions:
-    """``top_k``: keys each query attends exactly (default 256)."""
+    """``top_k``: keys each query attends exactly (default 256); ``top_p``: of those, only the
+    fewest (largest logits first) whose share of the query's whole softmax reaches ``top_p``
+    (default 1.0: all ``top_k``). Twilight's top-p pruning (Lin et al. 2025, arXiv 2502.02770) on
+    exact weights: the number of keys a query needs for a share ``p`` of its attention."""
 
     top_k: int = 256
+    top_p: float = 1.0
 
     def __post_init__(self):
         check_int("topk", "top_k", self.top_k, minimum=1)
+        check_float("topk", "top_p", self.top_p, minimum=0.0, inclusive=False)
+        if self.top_p > 1:
+            raise ValueError(f"topk: top_p must be at most 1, got {self.top_p}")
 
 
 def flops(B, H, N, M, D, Dv, o):
@@ -89,13 +96,18 @@ def attend_chosen(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | No
 @register_method("topk", options=TopkOptions, summary="exact softmax over each query's top-k keys by logit",
                  causal=True, cross_attention=True, complexity="quadratic", flops=flops, query_local=True,
                  test_options={"top_k": 3}, budget_options=lambda o, keys: {"top_k": max(1, keys)})
-def topk_attention(q, k, v, key_padding_mask, causal, scale, *, top_k):
+def topk_attention(q, k, v, key_padding_mask, causal, scale, *, top_k, top_p):
     """Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
     Causal: query ``i`` sees the keys ``<= i``. Padded keys get no weight; a query without a
     visible key outputs zeros. Float32 math under autocast (float64 stays float64); returns the
     dtype of q."""
 
     def choose(_q, _start, ranked):
-        return ranked >= ranked.topk(min(top_k, ranked.shape[-1]), dim=-1).values[..., -1:]
+        top = ranked.topk(min(top_k, ranked.shape[-1]), dim=-1).values
+        if top_p < 1:  # the keys ranked above each one hold less than top_p of the softmax
+            share = torch.softmax(ranked, -1).nan_to_num(0.0).sort(-1, descending=True).values[..., : top.shape[-1]]
+            needed = ((share.cumsum(-1) - share) < top_p).sum(-1, keepdim=True).clamp_min(1)
+            top = top.gather(-1, needed - 1)
+        return ranked >= top[..., -1:]
 
     return attend_chosen(q, k, v, key_padding_mask, causal, scale, choose)
