@@ -106,7 +106,11 @@ def method_rows(methods: list[str], budgets: list[int]) -> list[tuple[str, str, 
         variants = [("defaults", {})]
         for b in budgets if knob or info.budget_options else []:
             if info.budget_options:
-                options = info.budget_options(info.make_options(), b)
+                try:
+                    options = info.budget_options(info.make_options(), b)
+                except ValueError as err:  # below the method's smallest selection at its defaults
+                    print(f"skipped: {err}", file=sys.stderr)
+                    continue
                 variants.append((f"{b} keys: " + ", ".join(f"{n}={x}" for n, x in options.items()), options))
             else:
                 variants.append((f"{knob}={b}", {knob: b}))

@@ -417,3 +417,14 @@ def test_budget_options_attend_about_the_budget(method, causal):
     v = torch.eye(256, dtype=torch.float64)[None, None]
     used = int((subquad.attention(q, k, v, method=method, causal=causal, **options)[0, 0, -1] > 0).sum())
     assert 64 <= used <= 64 + 16, (options, used)
+
+
+@pytest.mark.parametrize("method", SPARSE)
+def test_budget_options_refuse_a_budget_below_their_smallest_selection(method):
+    """At the defaults (128-key blocks for hybrid and moba), a budget below one selection raises."""
+    info = subquad.get_method(method)
+    if method == "topk":
+        assert info.budget_options(info.make_options(), 1) == {"top_k": 1}
+        return
+    with pytest.raises(ValueError, match="fewer than"):
+        info.budget_options(info.make_options(), 8)

@@ -107,7 +107,8 @@ class MethodInfo:
     decode_state: Callable[[Any], Any] | None = dataclasses.field(default=None, repr=False, compare=False)
     #: ``budget_options(options, keys) -> {option name: value}``: for a sparse method, the options
     #: that change from ``options`` so that a query attends exactly to about ``keys`` keys (beyond
-    #: its own block or page): one budget for every sparse method, so they compare at equal cost
+    #: its own block or page; ValueError for a budget below its smallest selection): one budget for
+    #: every sparse method, so they compare at equal cost
     budget_options: Callable[[Any, int], dict[str, Any]] | None = dataclasses.field(default=None, repr=False,
                                                                                    compare=False)
     #: ``learned_init(options, num_heads, head_dim) -> {option name: tensor}``: the tensors a method

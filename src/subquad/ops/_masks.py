@@ -100,7 +100,10 @@ def each_item_without_padding(attend, q: Tensor, k: Tensor, v: Tensor, key_paddi
     self-attention over its real queries too. ``attend(q, k, v) -> out`` on one unpadded item. A
     query at a padded position takes the output of the last real query before it (not causal: of
     the first real query when none is before; causal: zeros); an item without real keys outputs
-    zeros."""
+    zeros. Whether a call is self-attention is read from the lengths: with as many queries as keys
+    it is taken as self-attention, so a cross-attention of equal lengths with padded keys gets, at
+    the queries in padded key positions, a copy of an earlier query's output (pass unequal lengths
+    or no mask there)."""
     outs = []
     for b in range(q.shape[0]):
         padding = key_padding_mask[b]

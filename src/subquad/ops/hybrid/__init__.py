@@ -110,9 +110,13 @@ def flops(B, H, N, M, D, Dv, o):
 
 
 def budget_options(o: HybridOptions, keys: int) -> dict:
-    """About ``keys`` keys a query beyond its own block: ``keys / key_block`` blocks, the sinks and
-    local ones among them."""
-    return {"num_blocks": max(0, keys // o.key_block - o.sinks - o.local)}
+    """About ``keys`` keys a query beyond its own block: ``keys / key_block`` blocks (rounded down),
+    the sinks and local ones among them; ValueError below the sinks and local blocks alone."""
+    least = (o.sinks + o.local) * o.key_block
+    if keys < least:
+        raise ValueError(f"hybrid: {keys} keys is fewer than its sink and local blocks ({least} keys); "
+                         "use smaller key blocks")
+    return {"num_blocks": keys // o.key_block - o.sinks - o.local}
 
 
 @register_method(
@@ -133,12 +137,13 @@ def hybrid_attention(q, k, v, key_padding_mask, causal, scale, *, options: Hybri
 
     Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
     Causal: query ``i`` sees the keys at positions ``<= i``. Padding is removed first: blocks are
-    counted over each item's real keys (and, in self-attention, its real queries), so a padded
-    batch computes what each item computes alone, and padded content never reaches an output; a
-    query at a padded position takes the output of the last real query before it (causal: zeros
-    when there is none; not causal: the first real query's), an item without real keys outputs
-    zeros. When the selection would take every key block, this is exact attention (SDPA, whose
-    outputs at padded query positions are its own).
+    counted over each item's real keys (and, in self-attention, its real queries), so a padded batch
+    computes what each item computes alone, and padded content never reaches an output; a query at a
+    padded position takes the output of the last real query before it (causal: zeros when there is
+    none; not causal: the first real query's), an item without real keys outputs zeros (equal query
+    and key lengths are read as self-attention:
+    :func:`~subquad.ops._masks.each_item_without_padding`). When the selection would take every key
+    block, this is exact attention (SDPA, whose outputs at padded query positions are its own).
     Computes in float32 (float64 stays float64) except on CUDA, where FlexAttention takes
     half-precision inputs as they are (accumulating in float32); returns the dtype of q."""
     if scale is None:

@@ -1,9 +1,10 @@
 """MoBA, mixture of block attention (Lu et al. 2025, "MoBA: Mixture of Block Attention for
 Long-Context LLMs", arXiv 2502.13189): the keys are cut into blocks of ``block_size``; each query
 scores every block by its gate ``q . mean(block's keys)`` and attends exactly to the
-``top_blocks`` blocks of highest gate. Causal, as in the paper: the candidates are the blocks
-wholly before the query's own block, and its own block (its keys up to itself) is always attended.
-Not causal: every block is a candidate, none forced. Blocks are cut over each item's real keys
+``top_blocks`` blocks of highest gate. Causal, as in the paper's code (the own block's gate is set
+to +inf inside its top-k): the query's own block (its keys up to itself) is always one of the
+``top_blocks``, the others the best of the blocks wholly before it. Not causal: every block is a
+candidate, none forced. Blocks are cut over each item's real keys
 (padding removed first, as in ``quest`` and ``hybrid``).
 
 MoBA gates per query; ``hybrid`` (``score="mean"``) gates per block of queries with the mean of
@@ -22,15 +23,15 @@ from torch import Tensor
 
 from ...checks import check_int
 from ...registry import register_method
-from ..quest import attend_pages
+from ..quest import attend_pages, whole_blocks
 
 __all__ = ["MobaOptions", "block_means", "moba_attention"]
 
 
 @dataclass
 class MobaOptions:
-    """``block_size``: keys per block (default 128); ``top_blocks``: blocks each query attends by
-    gate (default 8: 1024 keys, plus its own block when causal)."""
+    """``block_size``: keys per block (default 128); ``top_blocks``: blocks each query attends
+    (default 8: 1024 keys; causal, its own block is one of them)."""
 
     block_size: int = 128
     top_blocks: int = 8
@@ -58,12 +59,13 @@ def block_means(k: Tensor, block_size: int) -> tuple[Tensor]:
                  summary="exact softmax over each query's blocks of highest gate q . mean(k) (MoBA)",
                  causal=True, cross_attention=True, complexity="quadratic", flops=flops, query_local=True,
                  test_options={"block_size": 2, "top_blocks": 2}, fullgraph_with_padding=False,
-                 budget_options=lambda o, keys: {"top_blocks": max(1, keys // o.block_size)})
+                 budget_options=lambda o, keys: {"top_blocks": whole_blocks("moba", keys, o.block_size) + 1})
 def moba_attention(q, k, v, key_padding_mask, causal, scale, *, block_size, top_blocks):
-    """Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
-    Causal: query ``i`` sees the keys ``<= i``. A query at a padded position takes the output of
-    the last real query before it (causal: zeros when there is none; not causal: the first real
-    query's), an item without real keys outputs zeros. Float32 math under autocast (float64 stays
-    float64); returns the dtype of q."""
-    return attend_pages(q, k, v, key_padding_mask, causal, scale, block_size, top_blocks,
+    """Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``. Causal:
+    query ``i`` sees the keys ``<= i``. A query at a padded position takes the output of the last
+    real query before it (causal: zeros when there is none; not causal: the first real query's), an
+    item without real keys outputs zeros (equal query and key lengths are read as self-attention:
+    :func:`~subquad.ops._masks.each_item_without_padding`). Float32 math under autocast (float64
+    stays float64); returns the dtype of q."""
+    return attend_pages(q, k, v, key_padding_mask, causal, scale, block_size, top_blocks - causal,
                         lambda k: block_means(k, block_size), lambda q, means: q @ means.mT)

@@ -17,7 +17,7 @@ def _one(q, k, v, causal, scale, block_size, top_blocks):
             own = i // block_size
             cands = [p for p in range(P) if not causal or p < own]
             gate = {p: float(q[h, i] @ k[h, blocks[p]].mean(0)) for p in cands}
-            chosen = sorted(cands, key=lambda p: -gate[p])[:top_blocks]  # the tests avoid ties
+            chosen = sorted(cands, key=lambda p: -gate[p])[:top_blocks - causal]  # ties: the earlier block
             if causal:
                 chosen.append(own)
             keys = [j for p in chosen for j in blocks.get(p, []) if not causal or j <= i]

@@ -29,7 +29,7 @@ from ...registry import register_method
 from .._masks import each_item_without_padding
 from ..topk import attend_chosen
 
-__all__ = ["QuestOptions", "attend_pages", "bound", "page_bounds", "page_keys", "quest_attention"]
+__all__ = ["QuestOptions", "attend_pages", "bound", "page_bounds", "page_keys", "quest_attention", "whole_blocks"]
 
 @dataclass
 class QuestOptions:
@@ -71,8 +71,10 @@ def page_keys(scores: Tensor, start: int, M: int, causal: bool, page_size: int, 
     own = (torch.arange(start, start + n, device=scores.device) // page_size)[:, None]  # (n, 1)
     if causal:
         scores = scores.masked_fill(page >= own, -torch.inf)
-    top = scores.topk(min(num_pages, P), dim=-1)
-    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
+    values, order = scores.sort(dim=-1, descending=True, stable=True)  # ties: the earlier page
+    count = min(num_pages, P)
+    chosen = torch.zeros_like(scores, dtype=torch.bool)
+    chosen.scatter_(-1, order[..., :count], values[..., :count] > -torch.inf)
     if causal:
         chosen = chosen | (page == own)
     return chosen.repeat_interleave(page_size, -1)[..., :M]
@@ -102,6 +104,13 @@ def attend_pages(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | Non
     return each_item_without_padding(attend, q, k, v, key_padding_mask, causal)
 
 
+def whole_blocks(method: str, keys: int, size: int) -> int:
+    """``keys // size`` blocks (rounded down); ValueError when that is none."""
+    if keys < size:
+        raise ValueError(f"{method}: {keys} keys is fewer than one block of {size}; use smaller blocks")
+    return keys // size
+
+
 def bound(q: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
     """Quest's page score ``sum_d max(q_d lo_d, q_d hi_d)``, at least every logit of the page."""
     return q.clamp(min=0) @ hi.mT + q.clamp(max=0) @ lo.mT
@@ -111,13 +120,15 @@ def bound(q: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
                  summary="exact softmax over each query's pages of highest per-channel logit bound (Quest)",
                  causal=True, cross_attention=True, complexity="quadratic", flops=flops, query_local=True,
                  test_options={"page_size": 2, "num_pages": 2}, fullgraph_with_padding=False,
-                 budget_options=lambda o, keys: {"num_pages": max(1, keys // o.page_size)})
+                 budget_options=lambda o, keys: {"num_pages": whole_blocks("quest", keys, o.page_size)})
 def quest_attention(q, k, v, key_padding_mask, causal, scale, *, page_size, num_pages):
-    """Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
-    Causal: query ``i`` sees the keys ``<= i``. Pages are cut over each item's real keys (padding
-    is removed first, as hybrid does: a padded batch computes what each item computes alone); a
-    query at a padded position takes the output of the last real query before it (causal: zeros
-    when there is none; not causal: the first real query's), an item without real keys outputs
-    zeros. Float32 math under autocast (float64 stays float64); returns the dtype of q."""
+    """Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``. Causal:
+    query ``i`` sees the keys ``<= i``. Pages are cut over each item's real keys (padding is removed
+    first, as hybrid does: a padded batch computes what each item computes alone); a query at a
+    padded position takes the output of the last real query before it (causal: zeros when there is
+    none; not causal: the first real query's), an item without real keys outputs zeros (equal query
+    and key lengths are read as self-attention:
+    :func:`~subquad.ops._masks.each_item_without_padding`). Float32 math under autocast (float64
+    stays float64); returns the dtype of q."""
     return attend_pages(q, k, v, key_padding_mask, causal, scale, page_size, num_pages,
                         lambda k: page_bounds(k, page_size), bound)

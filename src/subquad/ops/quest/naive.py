@@ -20,7 +20,7 @@ def _one(q, k, v, causal, scale, page_size, num_pages):
             cands = [p for p in range(P) if not causal or p < own]
             bound = {p: float(torch.maximum(q[h, i] * k[h, pages[p]].min(0).values,
                                             q[h, i] * k[h, pages[p]].max(0).values).sum()) for p in cands}
-            chosen = sorted(cands, key=lambda p: -bound[p])[:num_pages]  # the tests avoid ties
+            chosen = sorted(cands, key=lambda p: -bound[p])[:num_pages]  # ties: the earlier page
             if causal:
                 chosen.append(own)
             keys = [j for p in chosen for j in pages.get(p, []) if not causal or j <= i]

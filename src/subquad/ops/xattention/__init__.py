@@ -89,7 +89,7 @@ def _causal_scores(q: Tensor, k: Tensor, scale: float, block_size: int, stride: 
 
 def _keep_until(scores: Tensor, threshold: float) -> Tensor:
     """Per row, the fewest entries in decreasing order whose sum reaches ``threshold`` (at least one)."""
-    ordered, order = scores.sort(-1, descending=True)
+    ordered, order = scores.sort(dim=-1, descending=True, stable=True)  # ties: the earlier block
     before = ordered.cumsum(-1) - ordered  # the sum of the entries ranked above each one
     keep = before < threshold
     keep[..., 0] = True
@@ -101,11 +101,11 @@ def _keep_until(scores: Tensor, threshold: float) -> Tensor:
                  causal=True, cross_attention=True, complexity="quadratic", flops=flops,
                  test_options={"block_size": 4, "stride": 2, "threshold": 0.5}, fullgraph_with_padding=False)
 def xattention_attention(q, k, v, key_padding_mask, causal, scale, *, block_size, stride, threshold):
-    """Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
-    Causal: query ``i`` sees the keys ``<= i``. A query at a padded position takes the output of
-    the last real query before it (causal: zeros when there is none; not causal: the first real
-    query's), an item without real keys outputs zeros. Float32 math under autocast (float64 stays
-    float64); returns the dtype of q."""
+    """Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``;
+    causal, query ``i`` sees the keys ``<= i``. Padding is removed per item first, and a query at a
+    padded position copies an earlier real query's output
+    (:func:`~subquad.ops._masks.each_item_without_padding`). Float32 math under autocast (float64
+    stays float64); returns the dtype of q."""
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
 
