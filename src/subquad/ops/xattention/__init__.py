@@ -3,13 +3,14 @@ arXiv 2503.16428): queries and keys in blocks of ``block_size``; each (query blo
 pair is scored by antidiagonal sampling of its logits, and each query block keeps the fewest key
 blocks whose share of the estimated attention reaches ``threshold``.
 
-The score, as implemented here: within every ``stride x stride`` tile of the logits only the
-antidiagonal entries are read (query ``i``, key ``j`` with ``i mod stride + j mod stride =
-stride - 1``, so each query reads every ``stride``-th key and each key is read by every
+The score, as implemented here (a per-query variant: the paper's code averages each tile's
+antidiagonal logits and takes the softmax over tiles): within every ``stride x stride`` tile of the
+logits only the antidiagonal entries are read (query ``i``, key ``j`` with ``i mod stride + j mod
+stride = stride - 1``, so each query reads every ``stride``-th key and each key is read by every
 ``stride``-th query); each query's read entries go through a softmax over the keys it may see, and
-a block pair's score is the sum of its entries, divided by the query block's number of queries:
-a distribution over the key blocks of each query block. Its key blocks are taken in decreasing
-score until their sum reaches ``threshold`` (XAttention's threshold selection; 0.9 in the paper).
+a block pair's score is the sum of its entries, divided by the query block's number of queries: a
+distribution over the key blocks of each query block. Its key blocks are taken in decreasing score
+until their sum reaches ``threshold`` (XAttention's threshold selection; 0.9 in the paper).
 
 Causal: the paper scores a query block with its own queries, so a query's keys would depend on
 the later queries of its block; here, as in ``hybrid``, a query block's key blocks are chosen by
