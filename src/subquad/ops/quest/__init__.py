@@ -116,11 +116,16 @@ def bound(q: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
     return q.clamp(min=0) @ hi.mT + q.clamp(max=0) @ lo.mT
 
 
+def budget_options(o: QuestOptions, keys: int) -> dict:
+    """About ``keys`` keys a query beyond its own page: whole pages."""
+    return {"num_pages": whole_blocks("quest", keys, o.page_size)}
+
+
 @register_method("quest", options=QuestOptions,
                  summary="exact softmax over each query's pages of highest per-channel logit bound (Quest)",
                  causal=True, cross_attention=True, complexity="quadratic", flops=flops, query_local=True,
                  test_options={"page_size": 2, "num_pages": 2}, fullgraph_with_padding=False,
-                 budget_options=lambda o, keys: {"num_pages": whole_blocks("quest", keys, o.page_size)})
+                 budget_options=budget_options)
 def quest_attention(q, k, v, key_padding_mask, causal, scale, *, page_size, num_pages):
     """Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``. Causal:
     query ``i`` sees the keys ``<= i``. Pages are cut over each item's real keys (padding is removed
