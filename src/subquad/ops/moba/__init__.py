@@ -72,5 +72,7 @@ def moba_attention(q, k, v, key_padding_mask, causal, scale, *, block_size, top_
     item without real keys outputs zeros (equal query and key lengths are read as self-attention:
     :func:`~subquad.ops._masks.each_item_without_padding`). Float32 math under autocast (float64
     stays float64); returns the dtype of q."""
+    if top_blocks >= -(-k.shape[2] // block_size):  # every block: exact attention (attend_pages)
+        top_blocks += 1
     return attend_pages(q, k, v, key_padding_mask, causal, scale, block_size, top_blocks - causal,
                         lambda k: block_means(k, block_size), lambda q, means: q @ means.mT)

@@ -3,6 +3,7 @@
 import torch
 
 from ..hybrid.naive import items_over_real_keys
+from ..softmax.naive import softmax_attention_reference
 
 
 def _one(q, k, v, causal, scale, block_size, top_blocks):
@@ -30,5 +31,7 @@ def moba_attention_reference(q, k, v, key_padding_mask=None, causal=False, scale
                              top_blocks=8):
     """Each item over its real keys, as hybrid's reference does."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if top_blocks >= -(-k.shape[2] // block_size):  # every block: exact attention
+        return softmax_attention_reference(q, k, v, key_padding_mask, causal, scale)
     return items_over_real_keys(lambda q, k, v: _one(q[0], k[0], v[0], causal, scale, block_size, top_blocks)[None],
                                 q, k, v, key_padding_mask, causal)

@@ -27,6 +27,7 @@ from torch import Tensor
 from ...checks import check_int
 from ...registry import register_method
 from .._masks import each_item_without_padding
+from ..softmax import sdpa
 from ..topk import attend_chosen
 
 __all__ = ["QuestOptions", "attend_pages", "bound", "page_bounds", "page_keys", "quest_attention", "whole_blocks"]
@@ -87,7 +88,11 @@ def attend_pages(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | Non
     """Softmax attention of each query over the keys of its ``num_pages`` best pages
     (:func:`page_keys`), the pages cut over each item's real keys: ``summarise(k)`` per item once
     (in the compute dtype, no gradient), ``score(q, *summary) -> (B, H, n, P)`` per chunk of
-    queries. Padding is removed first (:func:`~subquad.ops._masks.each_item_without_padding`)."""
+    queries. Padding is removed first (:func:`~subquad.ops._masks.each_item_without_padding`).
+    When every page would be chosen this is exact attention, masks as given (SDPA; its outputs at
+    padded query positions are its own): no data-dependent branch then, as ``hybrid`` does."""
+    if num_pages >= -(-k.shape[2] // page_size):
+        return sdpa(q, k, v, key_padding_mask, causal, scale)
 
     def attend(q, k, v):
         summary = []

@@ -3,6 +3,7 @@
 import torch
 
 from ..hybrid.naive import items_over_real_keys
+from ..softmax.naive import softmax_attention_reference
 
 
 def _one(q, k, v, causal, scale, page_size, num_pages):
@@ -33,5 +34,7 @@ def quest_attention_reference(q, k, v, key_padding_mask=None, causal=False, scal
                               num_pages=64):
     """Each item over its real keys, as hybrid's reference does."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if num_pages >= -(-k.shape[2] // page_size):  # every page: exact attention
+        return softmax_attention_reference(q, k, v, key_padding_mask, causal, scale)
     return items_over_real_keys(lambda q, k, v: _one(q[0], k[0], v[0], causal, scale, page_size, num_pages)[None],
                                 q, k, v, key_padding_mask, causal)

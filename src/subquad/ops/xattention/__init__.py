@@ -33,6 +33,7 @@ from torch import Tensor
 from ...checks import check_float, check_int
 from ...registry import register_method
 from .._masks import each_item_without_padding
+from ..softmax import sdpa
 from ..topk import attend_chosen
 
 __all__ = ["XAttentionOptions", "block_scores", "xattention_attention"]
@@ -109,6 +110,8 @@ def xattention_attention(q, k, v, key_padding_mask, causal, scale, *, block_size
     stays float64); returns the dtype of q."""
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if k.shape[2] <= block_size:  # one key block, always kept: exact attention, masks as given
+        return sdpa(q, k, v, key_padding_mask, causal, scale)
 
     def attend(q, k, v):
         previous = []  # causal: every query block's scores, from which the next block chooses

@@ -4,6 +4,7 @@ never imports it)."""
 import torch
 
 from ..hybrid.naive import items_over_real_keys
+from ..softmax.naive import softmax_attention_reference
 
 
 def _one(q, k, v, causal, scale, block_size, stride, threshold):
@@ -42,6 +43,8 @@ def xattention_attention_reference(q, k, v, key_padding_mask=None, causal=False,
                                    stride=8, threshold=0.9):
     """Each item over its real keys, as hybrid's reference does."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if k.shape[2] <= block_size:  # one key block: exact attention
+        return softmax_attention_reference(q, k, v, key_padding_mask, causal, scale)
     return items_over_real_keys(
         lambda q, k, v: _one(q[0], k[0], v[0], causal, scale, block_size, stride, threshold)[None],
         q, k, v, key_padding_mask, causal)
