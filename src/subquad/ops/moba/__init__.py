@@ -42,8 +42,10 @@ class MobaOptions:
 
 
 def flops(B, H, N, M, D, Dv, o):
-    """Matmul FLOPs of one forward as computed: the gates, every logit, the weights times values."""
-    return 2 * B * H * N * (-(-M // o["block_size"]) * D + M * (D + Dv))
+    """Matmul FLOPs of one forward as computed: the gates, every logit, the weights times values;
+    exact attention's when every block is chosen."""
+    blocks = -(-M // o["block_size"])
+    return 2 * B * H * N * ((blocks * D if o["top_blocks"] < blocks else 0) + M * (D + Dv))
 
 
 def block_means(k: Tensor, block_size: int) -> tuple[Tensor]:

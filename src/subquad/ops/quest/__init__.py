@@ -47,9 +47,10 @@ class QuestOptions:
 
 def flops(B, H, N, M, D, Dv, o):
     """Matmul FLOPs of one forward as computed: the page bounds (two products with the page
-    minima and maxima), every logit, and the weights times the values."""
+    minima and maxima), every logit, and the weights times the values; exact attention's when every
+    page is chosen."""
     pages = -(-M // o["page_size"])
-    return 2 * B * H * N * (2 * pages * D + M * (D + Dv))
+    return 2 * B * H * N * ((2 * pages * D if o["num_pages"] < pages else 0) + M * (D + Dv))
 
 
 def page_bounds(k: Tensor, page_size: int) -> tuple[Tensor, Tensor]:
