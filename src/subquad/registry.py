@@ -105,6 +105,9 @@ class MethodInfo:
     #: per-layer state with ``attend(q, k, v, key_padding_mask, scale) -> out`` for the new tokens
     #: (which then join it), ``select(batch_index)``, ``nbytes()`` and ``seen``
     decode_state: Callable[[Any], Any] | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: True for a method that forms every logit to measure a selection rule's quality (topk, quest,
+    #: moba, xattention): ``subquad compare`` runs it when named, not by default
+    quality_reference: bool = False
     #: ``budget_options(options, keys) -> {option name: value}``: for a sparse method, the options
     #: that change from ``options`` so that a query attends exactly to about ``keys`` keys (beyond
     #: its own block or page; ValueError for a budget below its smallest selection): one budget for
@@ -242,6 +245,7 @@ def register_method(
     learned_init: Callable[..., dict[str, Tensor]] | None = None,
     decode_state: Callable[[Any], Any] | None = None,
     budget_options: Callable[[Any, int], dict[str, Any]] | None = None,
+    quality_reference: bool = False,
 ) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
     """Decorator: register ``impl(q, k, v, key_padding_mask, causal, scale, **options)`` (or, when it
     has a parameter ``options``, ``impl(..., options=<the validated dataclass>)``) under ``name``
@@ -286,7 +290,7 @@ def register_method(
                     fullgraph_with_padding=fullgraph_with_padding, length_multiple=length_multiple, exact=exact,
                     logit_scale=logit_scale, query_local=query_local, fixed_draw=fixed_draw,
                     kernel_features=kernel_features, learned_init=learned_init, decode_state=decode_state,
-                    budget_options=budget_options)
+                    budget_options=budget_options, quality_reference=quality_reference)
         return op
 
     return decorator

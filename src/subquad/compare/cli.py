@@ -49,7 +49,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     _add_workload(p.add_argument_group("workload"))
     meth = p.add_argument_group("methods")
     meth.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
-                      help="methods to run (default: every registered one); exact attention (softmax) "
+                      help="methods to run (default: every registered one but the quality references topk, "
+                      "quest, moba and xattention, which form every logit); exact attention (softmax) "
                       "is always included as the baseline")
     add_option_argument(meth, "nystrom.num_landmarks=32 (NAME alone: every selected method with that option)")
     rec = p.add_argument_group("recommendation")
@@ -112,8 +113,8 @@ def _methods(p: argparse.ArgumentParser, args: argparse.Namespace, infos: dict[s
     """``(selected, run)``: the methods asked for, and those run (softmax, the baseline, first if
     it was not asked for)."""
     runnable = [name for name, m in infos.items() if m.kind in ("attention", "mixer")]
-    if args.methods is None:
-        selected = runnable
+    if args.methods is None:  # the quality references (full logits) only when named
+        selected = [name for name in runnable if not infos[name].quality_reference]
     else:
         selected = list(dict.fromkeys(args.methods))
         unknown = [m for m in selected if m not in infos]

@@ -66,7 +66,7 @@ def budget_options(o: MobaOptions, keys: int) -> dict:
                  summary="exact softmax over each query's blocks of highest gate q . mean(k) (MoBA)",
                  causal=True, cross_attention=True, complexity="quadratic", flops=flops, query_local=True,
                  test_options={"block_size": 2, "top_blocks": 2}, fullgraph_with_padding=False,
-                 budget_options=budget_options)
+                 budget_options=budget_options, quality_reference=True)
 def moba_attention(q, k, v, key_padding_mask, causal, scale, *, block_size, top_blocks):
     """Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``. Causal:
     query ``i`` sees the keys ``<= i``. A query at a padded position takes the output of the last

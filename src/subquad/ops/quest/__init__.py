@@ -131,7 +131,7 @@ def budget_options(o: QuestOptions, keys: int) -> dict:
                  summary="exact softmax over each query's pages of highest per-channel logit bound (Quest)",
                  causal=True, cross_attention=True, complexity="quadratic", flops=flops, query_local=True,
                  test_options={"page_size": 2, "num_pages": 2}, fullgraph_with_padding=False,
-                 budget_options=budget_options)
+                 budget_options=budget_options, quality_reference=True)
 def quest_attention(q, k, v, key_padding_mask, causal, scale, *, page_size, num_pages):
     """Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``. Causal:
     query ``i`` sees the keys ``<= i``. Pages are cut over each item's real keys (padding is removed

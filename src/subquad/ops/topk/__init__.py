@@ -100,7 +100,7 @@ def budget_options(o: TopkOptions, keys: int) -> dict:
 
 @register_method("topk", options=TopkOptions, summary="exact softmax over each query's top-k keys by logit",
                  causal=True, cross_attention=True, complexity="quadratic", flops=flops, query_local=True,
-                 test_options={"top_k": 3}, budget_options=budget_options)
+                 test_options={"top_k": 3}, budget_options=budget_options, quality_reference=True)
 def topk_attention(q, k, v, key_padding_mask, causal, scale, *, top_k, top_p):
     """Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
     Causal: query ``i`` sees the keys ``<= i``. Padded keys get no weight; a query without a

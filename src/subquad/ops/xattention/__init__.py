@@ -101,7 +101,8 @@ def _keep_until(scores: Tensor, threshold: float) -> Tensor:
 @register_method("xattention", options=XAttentionOptions,
                  summary="exact softmax over each query block's key blocks up to a share of their antidiagonal score",
                  causal=True, cross_attention=True, complexity="quadratic", flops=flops,
-                 test_options={"block_size": 4, "stride": 2, "threshold": 0.5}, fullgraph_with_padding=False)
+                 test_options={"block_size": 4, "stride": 2, "threshold": 0.5}, fullgraph_with_padding=False,
+                 quality_reference=True)
 def xattention_attention(q, k, v, key_padding_mask, causal, scale, *, block_size, stride, threshold):
     """Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``;
     causal, query ``i`` sees the keys ``<= i``. Padding is removed per item first, and a query at a
