@@ -31,6 +31,7 @@ RANK = {
     "subquad": 4,
     "models": 4,
     "tasks": 4,
+    "distributed": 3,  # context parallelism: the ops on a sequence split over a torch.distributed group
     "train": 5,
     "pretrained": 4,  # loaders of the pretrained models (compare and hf use them)
     "compare": 5,

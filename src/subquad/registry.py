@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .checks import check_qkv, check_scale
 
-__all__ = ["MethodInfo", "register_method", "register_mixer", "get_method", "list_methods", "attention",
+__all__ = ["MethodInfo", "register_method", "register_mixer", "get_method", "list_methods", "attention", "prepare_call",
            "resolve_path"]
 
 TestOptions = dict[str, Any] | Callable[[int, torch.dtype], dict[str, Any]]
@@ -119,6 +119,11 @@ class MethodInfo:
     #: layer (:class:`subquad.layers.AttentionCore`, a retrofit) keeps them as parameters
     learned_init: Callable[..., dict[str, Tensor]] | None = dataclasses.field(default=None, repr=False,
                                                                              compare=False)
+    #: ``context_parallel(q, k, v, key_padding_mask, causal, scale, options, group) -> Tensor``: the
+    #: op on one process's contiguous shard of a sequence split over a ``torch.distributed`` group
+    #: (the full options dataclass; ``scale`` None when the caller gave none), differentiable through
+    #: the collectives; called by :func:`subquad.distributed.attention`. None: not supported
+    context_parallel: Callable[..., Tensor] | None = dataclasses.field(default=None, repr=False, compare=False)
     # the options' field names, read once here: torch.compile cannot trace dataclasses.fields()
     option_names: tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
@@ -227,6 +232,16 @@ def _check_call(info: MethodInfo, q: Tensor, k: Tensor, key_padding_mask: Tensor
     return None if scale is None else check_scale(name, scale)
 
 
+def prepare_call(info: MethodInfo, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool,
+                 scale: float | None, options: dict[str, Any]) -> tuple[float | None, Any]:
+    """What every op of ``info`` checks before it runs: the shapes, dtypes and mask of q, k, v,
+    causal, padding and scale against the entry, and the options; returns the checked scale (None
+    when none was given) and the options dataclass."""
+    check_qkv(q, k, v, key_padding_mask, name=info.name, cross_attention=info.cross_attention)
+    scale = _check_call(info, q, k, key_padding_mask, causal, scale, options.get("generator"))
+    return scale, info.make_options(**options)
+
+
 def register_method(
     name: str,
     *,
@@ -246,6 +261,7 @@ def register_method(
     decode_state: Callable[[Any], Any] | None = None,
     budget_options: Callable[[Any, int], dict[str, Any]] | None = None,
     quality_reference: bool = False,
+    context_parallel: Callable[..., Tensor] | None = None,
 ) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
     """Decorator: register ``impl(q, k, v, key_padding_mask, causal, scale, **options)`` (or, when it
     has a parameter ``options``, ``impl(..., options=<the validated dataclass>)``) under ``name``
@@ -267,9 +283,7 @@ def register_method(
             scale: float | None = None,
             **opts: Any,
         ) -> Tensor:
-            check_qkv(q, k, v, key_padding_mask, name=name, cross_attention=info.cross_attention)
-            scale = _check_call(info, q, k, key_padding_mask, causal, scale, opts.get("generator"))
-            o = info.make_options(**opts)
+            scale, o = prepare_call(info, q, k, v, key_padding_mask, causal, scale, opts)
             if whole:
                 return impl(q, k, v, key_padding_mask, causal, scale, options=o)
             return impl(q, k, v, key_padding_mask, causal, scale, **{n: getattr(o, n) for n in info.option_names})
@@ -290,7 +304,8 @@ def register_method(
                     fullgraph_with_padding=fullgraph_with_padding, length_multiple=length_multiple, exact=exact,
                     logit_scale=logit_scale, query_local=query_local, fixed_draw=fixed_draw,
                     kernel_features=kernel_features, learned_init=learned_init, decode_state=decode_state,
-                    budget_options=budget_options, quality_reference=quality_reference)
+                    budget_options=budget_options, quality_reference=quality_reference,
+                    context_parallel=context_parallel)
         return op
 
     return decorator

@@ -29,7 +29,8 @@ from torch import Tensor
 
 from ...checks import check_int
 from ...registry import register_method
-from .._masks import compute_dtype, drop_padded
+from .._masks import compute_dtype, compute_precision, drop_padded
+from .._sharded import Shards
 from ..linear import _causal_chunked, kernel_attention
 
 __all__ = ["hedgehog_attention", "hedgehog_features", "windowed_kernel_attention", "HedgehogOptions", "flops"]
@@ -127,11 +128,24 @@ def flops(B, H, N, M, D, Dv, o):
     return out + 2 * B * H * (2 * f * (Dv + 1) * (M + N) + padded * keys * (2 * f + D + 2 * (Dv + 1)))
 
 
+def _context_parallel(q, k, v, key_padding_mask, causal, scale, options: HedgehogOptions, shards: Shards) -> Tensor:
+    """The entry's ``context_parallel``: without a window, kernel attention over the ranks' states
+    (LASP-2, see :mod:`subquad.ops.linear`); with one, NotImplementedError (its exact window would
+    need the neighbouring ranks' keys)."""
+    if options.window > 0:
+        raise NotImplementedError("hedgehog: context parallelism supports window=0 (kernel attention) only; "
+                                  f"got window={options.window}")
+    with compute_precision(q):
+        phi_q, phi_k = _kernel_features(options)(q, k, scale)
+        out = kernel_attention(phi_q, phi_k, v.to(phi_q.dtype), key_padding_mask, causal, options.chunk_size, shards)
+    return out.to(q.dtype)
+
+
 @register_method("hedgehog", options=HedgehogOptions,
                  summary="learned-feature linear attention, optionally with an exact window (Zhang et al. 2024)",
                  causal=True, cross_attention=True, complexity="linear", learned_parameters=True, flops=flops,
                  test_options={"chunk_size": 4}, query_local=True, learned_init=learned_init,
-                 kernel_features=_kernel_features)
+                 kernel_features=_kernel_features, context_parallel=_context_parallel)
 def hedgehog_attention(q, k, v, key_padding_mask, causal, scale, *, options: HedgehogOptions):
     """Hedgehog attention.
 

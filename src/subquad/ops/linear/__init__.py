@@ -4,6 +4,12 @@ Performer: ``out_n = phi(q_n) . sum_m phi(k_m) v_m^T / phi(q_n) . sum_m phi(k_m)
 Causal attention is computed in chunks: quadratic inside a chunk of ``chunk_size`` tokens,
 and a running state ``sum phi(k) v^T`` of shape ``(F, Dv)`` per chunk between chunks, so memory
 grows like ``N/chunk_size * F * Dv`` and never like ``N * F * Dv``.
+
+Context parallel (:func:`subquad.distributed.attention`), the scheme of LASP-2 (Sun et al. 2025,
+"LASP-2: Rethinking Sequence Parallelism for Linear Attention and Its Hybrid", arXiv 2502.07563):
+each rank sums ``phi(k)^T [v, 1]`` over its own keys, one all-gather exchanges these ``(F, Dv + 1)``
+states, and a rank's queries add the states of every rank (non-causal) or of the ranks before it
+to their own chunked form (causal). What is sent does not depend on N.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from torch import Tensor
 from ...checks import check_int
 from ...registry import register_method
 from .._masks import compute_dtype, compute_precision, drop_padded
+from .._sharded import Shards
 
 __all__ = ["linear_attention", "kernel_attention", "elu_feature_map", "LinearOptions", "flops"]
 
@@ -28,15 +35,25 @@ def kernel_attention(
     key_padding_mask: Tensor | None,
     causal: bool,
     chunk_size: int,
+    shards: Shards | None = None,
 ) -> Tensor:
     """Normalised attention with non-negative features.
 
     phi_q ``(B, H, N, F)``, phi_k ``(B, H, M, F)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``.
     Padded keys are removed from numerator and normaliser alike (their features and values
     dropped, so NaN or inf there reaches no output). A query whose normaliser is 0 (it sees no
-    real key) outputs 0.
+    real key) outputs 0. With ``shards``, the inputs are this rank's shard of a sequence split
+    over a process group (causal: ``N = M`` on each rank) and every rank's keys count.
     """
     phi_k, v = drop_padded(phi_k, key_padding_mask), drop_padded(v, key_padding_mask)
+    if shards is not None:
+        v1 = F.pad(v, (0, 1), value=1.0)
+        states = shards.gather(phi_k.transpose(-2, -1) @ v1)  # (ranks, B, H, F, Dv + 1)
+        if causal:  # every rank adds its prefix, also rank 0 (an empty sum): each runs the gather's backward
+            out = _causal_chunked(phi_q, phi_k, v1, chunk_size) + phi_q @ states[: shards.rank].sum(0)
+        else:
+            out = phi_q @ states.sum(0)
+        return out[..., :-1] / _safe_den(out[..., -1:])
     if causal:
         # one chunked pass gives numerator and normaliser: v gets a column of ones
         out = _causal_chunked(phi_q, phi_k, F.pad(v, (0, 1), value=1.0), chunk_size)
@@ -113,11 +130,16 @@ def _kernel_features(o: LinearOptions):
     return _features
 
 
+def _context_parallel(q, k, v, key_padding_mask, causal, scale, options: LinearOptions, shards: Shards) -> Tensor:
+    """The entry's ``context_parallel``: the op on this rank's shard (see the module docstring)."""
+    return _linear(q, k, v, key_padding_mask, causal, scale, options.chunk_size, shards)
+
+
 @register_method("linear", options=LinearOptions, summary="elu(x)+1 linear attention (Katharopoulos et al. 2020)",
                  causal=True, cross_attention=True, complexity="linear", flops=flops,
                  # small chunks, so causal tests cross several chunk boundaries
                  test_options={"chunk_size": 4}, logit_scale=False, query_local=True,
-                 kernel_features=_kernel_features)
+                 kernel_features=_kernel_features, context_parallel=_context_parallel)
 def linear_attention(q, k, v, key_padding_mask, causal, scale, *, chunk_size):
     """Linear attention with the ``elu(x) + 1`` feature map.
 
@@ -125,6 +147,10 @@ def linear_attention(q, k, v, key_padding_mask, causal, scale, *, chunk_size):
     The method has no logit scale: ``scale`` must be None. Runs in float32 (float64 stays
     float64) even under autocast; returns the dtype of q.
     """
+    return _linear(q, k, v, key_padding_mask, causal, scale, chunk_size)
+
+
+def _linear(q, k, v, key_padding_mask, causal, scale, chunk_size, shards=None):
     if scale is not None:
         raise ValueError("linear: this method has no logit scale; pass scale=None")
     dtype = compute_dtype(q.dtype)
@@ -136,6 +162,7 @@ def linear_attention(q, k, v, key_padding_mask, causal, scale, *, chunk_size):
             key_padding_mask,
             causal,
             chunk_size,
+            shards,
         )
     return out.to(q.dtype)
 

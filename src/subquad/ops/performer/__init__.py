@@ -17,6 +17,7 @@ from ...checks import check_bool, check_float, check_int
 from ...registry import register_method
 from .._common import check_generator, check_tensor_option, one_thread, over_threads
 from .._masks import compute_dtype, compute_precision, masked_fill_value, no_key_rows
+from .._sharded import Shards
 from ..linear import _safe_den, kernel_attention
 
 __all__ = ["PerformerOptions", "flops", "performer_attention", "performer_features", "random_projection"]
@@ -93,6 +94,7 @@ def performer_features(
     key_padding_mask: Tensor | None = None,
     causal: bool = False,
     eps: float = 0.0,
+    shards: Shards | None = None,
 ) -> Tensor:
     """Positive random features of ``x`` ``(B, H, L, D)`` for ``projection`` ``(m, D)``,
     with ``x`` taken in paper units ``x' = sqrt(scale) x``; returns ``(B, H, L, m)``.
@@ -102,7 +104,8 @@ def performer_features(
     output: ``softmax_i(w_i.x')`` (the ``|x'|^2/2`` term is per-row too). Its largest entry is
     at least ``1/m``, so a query's features are never all zero and need no ``eps``.
     ``kind="key"``: ``exp(w.x' - |x'|^2/2 - c) + eps`` with one constant ``c`` per (batch, head)
-    that cancels too: the max over real keys and features, or, when ``causal``, the
+    that cancels too: the max over real keys and features (with ``shards``: over every rank's),
+    or, when ``causal``, the
     data-independent bound ``max_i |w_i|^2/2`` (``w.x' - |x'|^2/2 <= |w|^2/2``), so that no
     future key can change a past output. Stabilisers are detached.
     """
@@ -125,6 +128,8 @@ def performer_features(
                 key_padding_mask[:, None, :, None], masked_fill_value(logits.dtype)
             )
             shift = masked.amax((-2, -1), keepdim=True)
+        if shards is not None and not causal:
+            shift = shards.max(shift)
     else:
         raise ValueError(f"kind must be 'raw', 'query' or 'key', got {kind!r}")
     if torch.compiler.is_compiling():  # the compiler fuses these passes itself (and cannot trace mark_dirty)
@@ -193,6 +198,27 @@ def _kernel_features(o: PerformerOptions):
     return features
 
 
+def _context_parallel(q, k, v, key_padding_mask, causal, scale, options: PerformerOptions, shards: Shards) -> Tensor:
+    """The entry's ``context_parallel``: kernel attention over the ranks' states (LASP-2, see
+    :mod:`subquad.ops.linear`). A projection drawn here is rank 0's, broadcast (given ``features``
+    must be the same on every rank); non-causal key features take the maximum over every rank's
+    keys as their stabiliser, so the output is the single-process op's up to rounding."""
+    o = options
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dtype = compute_dtype(q.dtype)
+    w = o.features
+    if w is None:
+        w = shards.broadcast(random_projection(o.num_features, q.shape[-1], orthogonal=o.orthogonal,
+                                               generator=o.generator, dtype=dtype, device=q.device))
+    with compute_precision(q):
+        w = w.to(device=q.device, dtype=dtype)
+        phi_q = performer_features(q.to(dtype), w, kind="query", scale=scale)
+        phi_k = performer_features(k.to(dtype), w, kind="key", scale=scale, causal=causal,
+                                   key_padding_mask=key_padding_mask, eps=0.0 if causal else o.eps, shards=shards)
+        out = kernel_attention(phi_q, phi_k, v.to(dtype), key_padding_mask, causal, o.chunk_size, shards)
+    return out.to(q.dtype)
+
+
 @register_method("performer", options=PerformerOptions,
                  summary="FAVOR+ positive orthogonal random features (Choromanski et al. 2021)",
                  causal=True, cross_attention=True, complexity="linear", stochastic=True,
@@ -200,7 +226,7 @@ def _kernel_features(o: PerformerOptions):
                  peer="subquad.compare.peers:PERFORMER_PYTORCH",
                  # a modest feature count; small chunks so causal tests cross several chunk boundaries
                  test_options={"num_features": 64, "chunk_size": 4}, query_local=True, fixed_draw=_fixed_draw,
-                 kernel_features=_kernel_features)
+                 kernel_features=_kernel_features, context_parallel=_context_parallel)
 def performer_attention(
     q, k, v, key_padding_mask, causal, scale, *, num_features, orthogonal, features, generator, eps,
     chunk_size,

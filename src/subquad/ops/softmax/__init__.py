@@ -11,6 +11,8 @@ from torch import Tensor
 from ...checks import check_float
 from ...registry import register_method
 from .._masks import drop_padded, masked_fill_value, no_key_rows, sdpa_dtype
+from .._sharded import Shards
+from .ring import ring_attention
 
 __all__ = ["SoftmaxOptions", "attention_bias", "flops", "softmax_attention"]
 
@@ -51,9 +53,17 @@ def flops(B, H, N, M, D, Dv, o):
     return 2 * B * H * N * M * (D + Dv)
 
 
+def _context_parallel(q, k, v, key_padding_mask, causal, scale, options: SoftmaxOptions, shards: Shards) -> Tensor:
+    """The entry's ``context_parallel``: ring attention (:mod:`subquad.ops.softmax.ring`)."""
+    if options.dropout_p:
+        raise NotImplementedError("softmax: context parallelism runs without dropout; pass dropout_p=0")
+    return ring_attention(q, k, v, key_padding_mask, causal, scale, shards)
+
+
 @register_method("softmax", options=SoftmaxOptions, summary="exact softmax attention (SDPA)",
                  causal=True, cross_attention=True, complexity="quadratic",
-                 core="subquad.layers.softmax:SoftmaxCore", flops=flops, exact=True, query_local=True)
+                 core="subquad.layers.softmax:SoftmaxCore", flops=flops, exact=True, query_local=True,
+                 context_parallel=_context_parallel)
 def softmax_attention(q, k, v, key_padding_mask, causal, scale, *, dropout_p):
     """Exact attention ``softmax(s q k^T) v`` through ``F.scaled_dot_product_attention``.
 

@@ -1,0 +1,81 @@
+"""Context parallelism: attention over a sequence split across the processes of a
+``torch.distributed`` group, for sequences longer than one process (or machine) can hold.
+
+Each process holds one contiguous shard of the sequence, in rank order (rank 0 the first tokens),
+and calls :func:`attention` on its shard of q, k and v; it gets its shard of the output, and
+autograd runs backward through the collectives. Any backend with all-gather, all-reduce,
+broadcast and point-to-point sends works: gloo on CPU, NCCL on GPU. Every rank must make the same
+calls (the same layers, forward and backward) in the same order.
+
+Which methods, and what they send per call (``R`` ranks, ``B`` batch, ``H`` heads):
+
+- ``linear``, ``performer``, ``hedgehog`` (``window=0``) and ``efficient`` (non-causal): LASP-2
+  (Sun et al. 2025, "LASP-2: Rethinking Sequence Parallelism for Linear Attention and Its Hybrid",
+  arXiv 2502.07563): one all-gather of each rank's ``(F, Dv + 1)`` state ``phi(k)^T [v, 1]`` per
+  (batch, head), the same size in backward; nothing that grows with N;
+- ``softmax``: ring attention (:mod:`subquad.ops.softmax.ring`): the key and value shards go
+  around the ring, ``(R - 1)`` shard sends forward and ``R`` with their gradients in backward.
+
+:func:`supported_methods` lists them (a method supports it when its registry entry has a
+``context_parallel`` form). Example, two processes on one machine::
+
+    # torchrun --nproc_per_node=2 example.py
+    import torch, torch.distributed as dist
+    import subquad.distributed as sqd
+
+    dist.init_process_group("gloo")
+    q, k, v = (torch.randn(1, 8, 65536, 64, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    q, k, v = (sqd.shard(t, dim=2) for t in (q, k, v))  # this rank's tokens
+    out = sqd.attention(q, k, v, method="linear", causal=True)  # this rank's shard of the output
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from .ops._sharded import Shards
+from .registry import get_method, list_methods, prepare_call
+
+__all__ = ["attention", "shard", "supported_methods"]
+
+
+def supported_methods() -> list[str]:
+    """The registered methods with a context-parallel form."""
+    return [m.name for m in list_methods() if m.context_parallel is not None]
+
+
+def shard(x: Tensor, dim: int = 2, group: Any = None) -> Tensor:
+    """This rank's contiguous shard of ``x`` along ``dim`` (the sequence axis: 2 for q, k, v
+    ``(B, H, N, D)``, 1 for a mask ``(B, N)``): ``torch.tensor_split`` into as many parts as the
+    group has ranks, so the first ``N % R`` ranks hold one token more."""
+    shards = Shards.of(group)
+    return x.tensor_split(shards.size, dim)[shards.rank]
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, method: str, causal: bool = False,
+              key_padding_mask: Tensor | None = None, scale: float | None = None, group: Any = None,
+              **options: Any) -> Tensor:
+    """Attention by ``method`` over the sequence whose shards the ranks of ``group`` hold.
+
+    Args:
+        q: ``(B, H, n, D)`` this rank's queries. k: ``(B, H, m, D)`` and v ``(B, H, m, Dv)``:
+            its keys and values (causal: ``n = m``, the same positions). Shards may differ in
+            length between ranks (at least one token each).
+        method: a name from :func:`supported_methods`.
+        causal: a query sees the keys at or before its position in the whole sequence.
+        key_padding_mask: bool ``(B, m)``, True marks this rank's padded keys.
+        scale: the logit scale, default ``D ** -0.5``.
+        group: the process group (None: the default group).
+        **options: the method's options, as for :func:`subquad.attention`.
+
+    Returns:
+        ``(B, H, n, Dv)``: this rank's shard of the output, in the dtype of q; equal, up to
+        rounding, to the same rows of the single-process op on the whole sequence.
+    """
+    info = get_method(method)
+    if info.context_parallel is None:
+        raise NotImplementedError(f"method {method!r} has no context-parallel form; supported: {supported_methods()}")
+    scale, o = prepare_call(info, q, k, v, key_padding_mask, causal, scale, options)
+    return info.context_parallel(q, k, v, key_padding_mask, causal, scale, o, Shards.of(group))

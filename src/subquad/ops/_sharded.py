@@ -1,0 +1,99 @@
+"""The collectives of the ops' context-parallel forms (:func:`subquad.distributed.attention`): a
+sequence split over the processes of a ``torch.distributed`` group, each holding one contiguous
+shard, the shards in rank order.
+
+:class:`Shards` names the group and this process's place in it and runs what the forms need,
+through torch.distributed's own collectives, so any backend that has them works (gloo on CPU,
+NCCL on GPU):
+
+- :meth:`Shards.gather`: every rank's tensor of one shape, stacked, differentiable (its backward
+  all-reduces the gradient and each rank keeps its own slice);
+- :meth:`Shards.max`, :meth:`Shards.broadcast`, :meth:`Shards.gather_ints`: without gradient;
+- :meth:`Shards.exchange`: send to one rank and receive from another at once (a ring's step).
+
+Every rank must make the same calls in the same order, forward and backward: a rank that skips
+a backward leaves the others waiting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["Shards"]
+
+
+@dataclass(frozen=True)
+class Shards:
+    """This process's place in ``group`` (None: the default group): ``rank`` and ``size`` are the
+    group's own (rank ``r`` holds the ``r``-th shard of the sequence)."""
+
+    group: Any
+    rank: int
+    size: int
+
+    @classmethod
+    def of(cls, group: Any = None) -> Shards:
+        """The shards of ``group`` (None: the default group); RuntimeError when torch.distributed
+        is not initialised."""
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("subquad.distributed needs torch.distributed initialised first "
+                               "(torch.distributed.init_process_group, as torchrun sets it up)")
+        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+
+    def global_rank(self, rank: int) -> int:
+        """The default group's rank of this group's ``rank``."""
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def gather(self, x: Tensor) -> Tensor:
+        """``(size, *x.shape)``: every rank's ``x`` (of one shape on all ranks), differentiable."""
+        return _Gather.apply(x, self)
+
+    def max(self, x: Tensor) -> Tensor:
+        """The elementwise maximum of ``x`` over the ranks (no gradient)."""
+        x = x.detach().clone()
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
+        return x
+
+    def broadcast(self, x: Tensor) -> Tensor:
+        """Rank 0's ``x`` on every rank (a copy; no gradient)."""
+        x = x.detach().contiguous().clone()
+        dist.broadcast(x, src=self.global_rank(0), group=self.group)
+        return x
+
+    def gather_ints(self, values: list[int], device: torch.device) -> list[list[int]]:
+        """Every rank's ``values`` (as many on every rank; a shard's length, a flag), in rank order."""
+        out = torch.empty(self.size * len(values), dtype=torch.int64, device=device)
+        dist.all_gather_single(out, torch.tensor(values, dtype=torch.int64, device=device), group=self.group)
+        return out.view(self.size, len(values)).tolist()
+
+    def exchange(self, send: list[Tensor], to: int, recv: list[Tensor], source: int) -> list[Any]:
+        """Start sending ``send`` to rank ``to`` and receiving ``recv`` from rank ``source`` (every
+        rank calls it, so each send meets its receive); returns the requests to ``wait()`` on
+        before ``recv`` is read or ``send`` changed."""
+        ops = [dist.P2POp(dist.isend, t, self.global_rank(to), self.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, self.global_rank(source), self.group) for t in recv]
+        return dist.batch_isend_irecv(ops)
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather with a backward: rank ``r``'s gradient is the sum over ranks of the gradient of
+    slice ``r`` (one all-reduce of the stacked gradient: the tensors gathered here are small
+    states, and all-reduce is in every backend, where reduce-scatter is not in gloo)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, shards: Shards) -> Tensor:
+        ctx.shards = shards
+        out = x.new_empty(shards.size * x.shape[0], *x.shape[1:]) if x.ndim else x.new_empty(shards.size)
+        dist.all_gather_single(out, x.contiguous(), group=shards.group)
+        return out.view(shards.size, *x.shape)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.shards.group)
+        return grad[ctx.shards.rank], None

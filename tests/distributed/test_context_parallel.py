@@ -1,0 +1,125 @@
+"""subquad.distributed.attention on two processes against the single-process op on the whole
+sequence: this rank's rows of the output and of the gradients of q, k and v (float32, 1e-5),
+causal and not, with key padding, with shards of unequal length, and cross lengths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import subquad
+import subquad.distributed as sqd
+
+B, H, D, DV = 2, 3, 8, 5
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _options(method: str) -> dict:
+    """Options with every random or learned tensor fixed, the same on every rank."""
+    g = torch.Generator().manual_seed(7)
+    if method == "performer":
+        from subquad.ops.performer import random_projection
+        return {"features": random_projection(16, D, generator=g), "chunk_size": 4}
+    if method == "hedgehog":
+        return {"weight": torch.randn(H, D, D, generator=g) * 0.5, "bias": torch.randn(H, 1, D, generator=g) * 0.1,
+                "chunk_size": 4}
+    if method == "linear":
+        return {"chunk_size": 4}
+    return {}
+
+
+def _parts(x: torch.Tensor, lengths: list[int], dim: int) -> torch.Tensor:
+    """This rank's part of ``x`` when the ranks hold ``lengths`` positions along ``dim``."""
+    return x.split(lengths, dim)[dist.get_rank()]
+
+
+def _check(method: str, causal: bool, q_lengths: list[int], k_lengths: list[int], padded: bool,
+           options: dict | None = None, sharded_options: dict | None = None) -> None:
+    g = torch.Generator().manual_seed(0)  # the same full tensors on every rank
+    N, M = sum(q_lengths), sum(k_lengths)
+    q, k = torch.randn(B, H, N, D, generator=g), torch.randn(B, H, M, D, generator=g)
+    v, w = torch.randn(B, H, M, DV, generator=g), torch.randn(B, H, N, DV, generator=g)
+    mask = None
+    if padded:  # item 0: random padding; item 1: every key of the last rank padded
+        mask = torch.rand(B, M, generator=g) < 0.3
+        mask[1] = False
+        mask[1, M - k_lengths[-1]:] = True
+    options = _options(method) if options is None else options
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = subquad.attention(*full, method=method, causal=causal, key_padding_mask=mask, **options)
+    (ref * w).sum().backward()
+    mine = [_parts(t, n, 2).clone().requires_grad_() for t, n in ((q, q_lengths), (k, k_lengths), (v, k_lengths))]
+    out = sqd.attention(*mine, method=method, causal=causal,
+                        key_padding_mask=None if mask is None else _parts(mask, k_lengths, 1),
+                        **(options if sharded_options is None else sharded_options))
+    (out * _parts(w, q_lengths, 2)).sum().backward()
+    torch.testing.assert_close(out, _parts(ref.detach(), q_lengths, 2), **TOL)
+    for a, b, n in zip(mine, full, (q_lengths, k_lengths, k_lengths)):
+        torch.testing.assert_close(a.grad, _parts(b.grad, n, 2), **TOL)
+
+
+CAUSAL = ["linear", "performer", "hedgehog", "softmax"]
+LENGTHS = {"even": [6, 6], "uneven": [3, 8], "one token": [1, 5]}
+
+
+def test_two_ranks():
+    assert dist.get_world_size() == 2
+
+
+def test_supported_methods():
+    assert set(sqd.supported_methods()) == {"linear", "performer", "hedgehog", "efficient", "softmax"}
+
+
+@pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+@pytest.mark.parametrize("method", CAUSAL)
+def test_causal_equals_the_whole_sequence(method, padded, lengths):
+    _check(method, True, LENGTHS[lengths], LENGTHS[lengths], padded)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+@pytest.mark.parametrize("method", CAUSAL + ["efficient"])
+def test_non_causal_equals_the_whole_sequence(method, padded):
+    _check(method, False, [4, 7], [4, 7], padded)
+
+
+@pytest.mark.parametrize("method", CAUSAL + ["efficient"])
+def test_cross_lengths(method):
+    """Non-causal, queries and keys split differently (q: 5 + 4, k: 3 + 8)."""
+    _check(method, False, [5, 4], [3, 8], True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_performer_draws_rank_zeros_projection(causal):
+    """Without ``features``, each rank's generator differs; the projection is rank 0's."""
+    options = {"num_features": 16, "chunk_size": 4, "generator": torch.Generator().manual_seed(11)}
+    mine = dict(options, generator=torch.Generator().manual_seed(11 + 5 * dist.get_rank()))
+    _check("performer", causal, [6, 6], [6, 6], False, options=options, sharded_options=mine)
+
+
+def test_unsupported_method_and_options_are_refused():
+    x = torch.randn(1, 1, 4, D)
+    with pytest.raises(NotImplementedError, match="no context-parallel form"):
+        sqd.attention(x, x, x, method="nystrom")
+    with pytest.raises(NotImplementedError, match="window=0"):
+        sqd.attention(x, x, x, method="hedgehog", window=2)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        sqd.attention(x, x, x, method="softmax", dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="not causal"):
+        sqd.attention(x, x, x, method="efficient", causal=True)
+
+
+@pytest.mark.parametrize("method", ["linear", "softmax"])
+def test_bf16_autocast(method):
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, H, 6, D, generator=g) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = sqd.attention(q, k, v, method=method, causal=True)
+    assert out.dtype == torch.float32 and out.shape == (B, H, 6, D) and torch.isfinite(out).all()
+
+
+def test_shard_splits_like_tensor_split():
+    x = torch.arange(11).view(1, 1, 11, 1)
+    assert sqd.shard(x, dim=2).flatten().tolist() == ([0, 1, 2, 3, 4, 5] if dist.get_rank() == 0 else
+                                                      [6, 7, 8, 9, 10])

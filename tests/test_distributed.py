@@ -1,0 +1,20 @@
+"""Starts the context-parallel tests (tests/distributed/) on two processes with torchrun and gloo."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_context_parallel_on_two_processes():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("PYTEST_XDIST_WORKER", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", str(ROOT / "tests" / "distributed")]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout, done.stdout[-3000:]
