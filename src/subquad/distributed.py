@@ -15,6 +15,13 @@ Which methods, and what they send per call (``R`` ranks, ``B`` batch, ``H`` head
   (batch, head), the same size in backward; nothing that grows with N;
 - ``softmax``: ring attention (:mod:`subquad.ops.softmax.ring`): the key and value shards go
   around the ring, ``(R - 1)`` shard sends forward and ``R`` with their gradients in backward.
+- ``hybrid`` (causal, ``score="mean"``, no key padding; every shard but the last whole query
+  blocks, the first past the dense prefix): one all-gather of the block means, then each rank
+  fetches, point to point, only the key blocks its query blocks selected on earlier ranks (each
+  (item, head, block) once); backward returns their gradients the same way
+  (:mod:`subquad.ops.hybrid.sharded`).
+
+:func:`traffic` counts the bytes a block of code hands the collectives.
 
 :func:`supported_methods` lists them (a method supports it when its registry entry has a
 ``context_parallel`` form). Example, two processes on one machine::
@@ -31,14 +38,29 @@ Which methods, and what they send per call (``R`` ranks, ``B`` batch, ``H`` head
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from torch import Tensor
 
-from .ops._sharded import Shards
+from .ops._sharded import TRAFFIC, Shards
 from .registry import get_method, list_methods, prepare_call
 
-__all__ = ["attention", "shard", "supported_methods"]
+__all__ = ["attention", "shard", "supported_methods", "traffic"]
+
+
+@contextlib.contextmanager
+def traffic() -> Iterator[dict[str, int]]:
+    """``with traffic() as t:`` counts, in ``t["bytes"]`` and ``t["calls"]``, what this process
+    hands the collectives inside the block: the output of each all-gather, the tensor of each
+    all-reduce and broadcast, every tensor it sends. The figures are set when the block ends."""
+    start = dict(TRAFFIC)
+    out = {"bytes": 0, "calls": 0}
+    try:
+        yield out
+    finally:
+        out.update({key: TRAFFIC[key] - start[key] for key in out})
 
 
 def supported_methods() -> list[str]:

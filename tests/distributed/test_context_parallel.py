@@ -68,7 +68,7 @@ def test_two_ranks():
 
 
 def test_supported_methods():
-    assert set(sqd.supported_methods()) == {"linear", "performer", "hedgehog", "efficient", "softmax"}
+    assert set(sqd.supported_methods()) == {"linear", "performer", "hedgehog", "efficient", "softmax", "hybrid"}
 
 
 @pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))
@@ -123,3 +123,57 @@ def test_shard_splits_like_tensor_split():
     x = torch.arange(11).view(1, 1, 11, 1)
     assert sqd.shard(x, dim=2).flatten().tolist() == ([0, 1, 2, 3, 4, 5] if dist.get_rank() == 0 else
                                                       [6, 7, 8, 9, 10])
+
+
+@pytest.mark.parametrize("n", [6, 40])
+def test_linear_traffic_does_not_grow_with_n(n):
+    """LASP-2's exchange: forward, one all-gather of R states (B, H, F, Dv + 1); backward, one
+    all-reduce of the same; nothing of size N."""
+    q, k, v = (torch.randn(B, H, n, D, requires_grad=True) for _ in range(3))
+    with sqd.traffic() as forward:
+        out = sqd.attention(q, k, v, method="linear", causal=True)
+    with sqd.traffic() as backward:
+        out.sum().backward()
+    state = 2 * B * H * D * (D + 1) * 4  # 2 ranks x (F = D features) x (Dv + 1) float32
+    assert forward == {"bytes": state, "calls": 1} and backward == {"bytes": state, "calls": 1}
+
+
+def test_ring_traffic():
+    """Forward: the shard lengths, then R - 1 sends of k and v; backward: R sends of k, v and their
+    gradients."""
+    q, k, v = (torch.randn(B, H, 6, D, requires_grad=True) for _ in range(3))
+    with sqd.traffic() as forward:
+        out = sqd.attention(q, k, v, method="softmax", causal=True)
+    with sqd.traffic() as backward:
+        out.sum().backward()
+    shard = B * H * 6 * D * 4
+    assert forward == {"bytes": 2 * 2 * 8 + 2 * shard, "calls": 2}
+    assert backward == {"bytes": 2 * 4 * shard, "calls": 2}
+
+
+HYBRID = {"query_block": 4, "key_block": 2, "num_blocks": 2, "sinks": 1, "local": 1}
+
+
+@pytest.mark.parametrize("lengths", [[24, 24], [24, 9], [32, 21]], ids=["even", "uneven", "longer"])
+@pytest.mark.parametrize("key_block", [2, 4])
+def test_hybrid_causal_equals_the_whole_sequence(lengths, key_block):
+    _check("hybrid", True, lengths, lengths, False, options=dict(HYBRID, key_block=key_block))
+
+
+def test_hybrid_short_sequence_is_exact_attention():
+    """When the selection takes every block, hybrid is exact attention: the ring runs it."""
+    _check("hybrid", True, [4, 2], [4, 2], False, options=HYBRID)
+
+
+def test_hybrid_refuses_what_it_cannot_shard():
+    x = torch.randn(1, 1, 16, D)
+    with pytest.raises(NotImplementedError, match="causal"):
+        sqd.attention(x, x, x, method="hybrid", **HYBRID)
+    with pytest.raises(NotImplementedError, match="key_padding_mask"):
+        sqd.attention(x, x, x, method="hybrid", causal=True, key_padding_mask=torch.zeros(1, 16, dtype=torch.bool),
+                      **HYBRID)
+    with pytest.raises(ValueError, match="dense prefix"):
+        sqd.attention(x[:, :, :8], x[:, :, :8], x[:, :, :8], method="hybrid", causal=True, **HYBRID)
+    with pytest.raises(ValueError, match="whole query blocks"):
+        y = x[:, :, : 13 - 2 * dist.get_rank()]  # rank 0: 13 tokens
+        sqd.attention(y, y, y, method="hybrid", causal=True, **HYBRID)

@@ -13,6 +13,10 @@ NCCL on GPU):
 
 Every rank must make the same calls in the same order, forward and backward: a rank that skips
 a backward leaves the others waiting.
+
+:data:`TRAFFIC` counts what this process hands the collectives (bytes of each all-gather's
+output, all-reduce's tensor, broadcast's tensor and of every send), for
+:func:`subquad.distributed.traffic`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Shards"]
+__all__ = ["Shards", "TRAFFIC"]
+
+#: bytes and calls of the collectives this process made (see the module docstring)
+TRAFFIC = {"bytes": 0, "calls": 0}
+
+
+def _count(*tensors: Tensor) -> None:
+    TRAFFIC["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
+    TRAFFIC["calls"] += 1
 
 
 @dataclass(frozen=True)
@@ -56,18 +68,21 @@ class Shards:
     def max(self, x: Tensor) -> Tensor:
         """The elementwise maximum of ``x`` over the ranks (no gradient)."""
         x = x.detach().clone()
+        _count(x)
         dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
         return x
 
     def broadcast(self, x: Tensor) -> Tensor:
         """Rank 0's ``x`` on every rank (a copy; no gradient)."""
         x = x.detach().contiguous().clone()
+        _count(x)
         dist.broadcast(x, src=self.global_rank(0), group=self.group)
         return x
 
     def gather_ints(self, values: list[int], device: torch.device) -> list[list[int]]:
         """Every rank's ``values`` (as many on every rank; a shard's length, a flag), in rank order."""
         out = torch.empty(self.size * len(values), dtype=torch.int64, device=device)
+        _count(out)
         dist.all_gather_single(out, torch.tensor(values, dtype=torch.int64, device=device), group=self.group)
         return out.view(self.size, len(values)).tolist()
 
@@ -77,6 +92,7 @@ class Shards:
         before ``recv`` is read or ``send`` changed."""
         ops = [dist.P2POp(dist.isend, t, self.global_rank(to), self.group) for t in send]
         ops += [dist.P2POp(dist.irecv, t, self.global_rank(source), self.group) for t in recv]
+        _count(*send)
         return dist.batch_isend_irecv(ops)
 
 
@@ -89,11 +105,13 @@ class _Gather(torch.autograd.Function):
     def forward(ctx, x: Tensor, shards: Shards) -> Tensor:
         ctx.shards = shards
         out = x.new_empty(shards.size * x.shape[0], *x.shape[1:]) if x.ndim else x.new_empty(shards.size)
+        _count(out)
         dist.all_gather_single(out, x.contiguous(), group=shards.group)
         return out.view(shards.size, *x.shape)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         grad = grad.contiguous().clone()
+        _count(grad)
         dist.all_reduce(grad, group=ctx.shards.group)
         return grad[ctx.shards.rank], None

@@ -50,6 +50,7 @@ from .chunk import attend_causal, attend_gathered, causal_blocks_available
 from .decoding import HybridDecodeState
 from .parallel import attend_flex, flex_available
 from .select import Selection, past_blocks, select_blocks
+from .sharded import hybrid_context_parallel
 
 __all__ = ["HybridDecodeState", "HybridOptions", "Selection", "hybrid_attention", "flops",
            "select_blocks", "SCORES"]
@@ -131,6 +132,7 @@ def budget_options(o: HybridOptions, keys: int) -> dict:
     fullgraph_with_padding=False,  # padding is removed first: shapes from the mask
     decode_state=HybridDecodeState,
     budget_options=budget_options,
+    context_parallel=hybrid_context_parallel,
 )
 def hybrid_attention(q, k, v, key_padding_mask, causal, scale, *, options: HybridOptions):
     """hybrid attention (see the module docstring).

@@ -20,7 +20,7 @@ from torch import Tensor
 from .._masks import masked_fill_value
 from .select import Selection
 
-__all__ = ["attend_gathered"]
+__all__ = ["CausalBlocks", "attend_causal", "attend_gathered"]
 
 # bytes of gathered keys, values and logits formed per chunk of query blocks
 _CHUNK_BYTES = 1 << 25
@@ -113,50 +113,63 @@ def attend_causal(q: Tensor, k: Tensor, v: Tensor, sel: Selection, past: int, sc
     q, k, v = (t.contiguous() if t.shape[-2:] == (Np, E) else F.pad(t, (0, E - t.shape[-1], 0, Np - N)).contiguous()
                for t in (q, k, v))
     i0 = min(sparse_start(sel, past), Np // QB)
-    out = _CausalBlocks.apply(q, k, v, sel.index[:, :, i0:, :past], i0 * QB, sel.key_block, scale)
+    out = CausalBlocks.apply(q, k, v, k, v, sel.index[:, :, i0:, :past], i0 * QB, sel.key_block, scale)
     return out[:, :, :N, :Dv]
 
 
-class _CausalBlocks(torch.autograd.Function):
+class CausalBlocks(torch.autograd.Function):
     """q, k, v ``(B, H, Np, E)`` contiguous, ``Np`` a multiple of QB; ``ids`` ``(B, H, c, S)`` the
-    past key blocks of the query blocks from position ``P`` on (``c = (Np - P) / QB``)."""
+    past key blocks of the query blocks from position ``P`` on (``c = (Np - P) / QB``), blocks of
+    ``kp``, ``vp`` ``(B, H, nb KB, E)`` contiguous: ``k`` and ``v`` themselves (the same objects:
+    their gradients are then one), or other keys and values (those a context-parallel rank
+    fetched, followed by its own: :mod:`subquad.ops.hybrid.sharded`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ids, P, KB, scale):
+    def forward(ctx, q, k, v, kp, vp, ids, P, KB, scale):
         B, H, Np, E = q.shape
         out = torch.empty_like(q)
         lse = q.new_empty(B, H, Np, dtype=torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype)
-        out[:, :, :P], lse[:, :, :P] = _flash(q[:, :, :P], k[:, :, :P], v[:, :, :P], is_causal=True, scale=scale)
+        if P:
+            out[:, :, :P], lse[:, :, :P] = _flash(q[:, :, :P], k[:, :, :P], v[:, :, :P], is_causal=True, scale=scale)
         if ids.shape[2]:
-            u = _Units(q, ids, P, KB)
+            u = _Units(q, ids, P, KB, kp.shape[2] // KB)
             o_d, l_d = _flash(u.rows(q), u.rows(k), u.rows(v), is_causal=True, scale=scale)  # own positions
             o, l_out = u.rows(out), u.rows(lse)
-            for r, a, b, kg, vg in u.gathered(k, v):
+            for r, a, b, kg, vg in u.gathered(kp, vp):
                 o_p, l_p = _flash(u.rows(q)[r: r + 1, a:b], kg, vg, scale=scale)
                 both = torch.logaddexp(l_p[0], l_d[r, a:b])
                 w_p, w_d = (l_p[0] - both).exp().unsqueeze(-1), (l_d[r, a:b] - both).exp().unsqueeze(-1)
                 o[r, a:b] = o_p[0].to(w_p.dtype).mul_(w_p).add_(o_d[r, a:b].to(w_p.dtype) * w_d)
                 l_out[r, a:b] = both
-        ctx.save_for_backward(q, k, v, ids, out, lse)
+        ctx.shared = kp is k and vp is v
+        ctx.save_for_backward(q, k, v, *(() if ctx.shared else (kp, vp)), ids, out, lse)
         ctx.P, ctx.KB, ctx.scale = P, KB, scale
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, k, v, ids, out, lse = ctx.saved_tensors
+        if ctx.shared:
+            q, k, v, ids, out, lse = ctx.saved_tensors
+            kp, vp = k, v
+        else:
+            q, k, v, kp, vp, ids, out, lse = ctx.saved_tensors
         P, scale, KB = ctx.P, ctx.scale, ctx.KB
         dout = dout.contiguous()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        dq[:, :, :P], dk[:, :, :P], dv[:, :, :P] = _flash_backward(
-            dout[:, :, :P], q[:, :, :P], k[:, :, :P], v[:, :, :P], out[:, :, :P], lse[:, :, :P], 0.0, True, scale=scale)
+        dkp, dvp = (dk, dv) if ctx.shared else (torch.zeros_like(kp), torch.zeros_like(vp))
+        if P:
+            dq[:, :, :P], dk[:, :, :P], dv[:, :, :P] = _flash_backward(
+                dout[:, :, :P], q[:, :, :P], k[:, :, :P], v[:, :, :P], out[:, :, :P], lse[:, :, :P], 0.0, True,
+                scale=scale)
+        grads = (dq, dk, dv, None if ctx.shared else dkp, None if ctx.shared else dvp, None, None, None, None)
         if ids.shape[2] == 0:
-            return dq, dk, dv, None, None, None, None
-        u = _Units(q, ids, P, KB)
+            return grads
+        u = _Units(q, ids, P, KB, kp.shape[2] // KB)
         du, ou, lu, qu = u.rows(dout), u.rows(out), u.rows(lse), u.rows(q)
         g_q, g_k, g_v = _flash_backward(du, qu, u.rows(k), u.rows(v), ou, lu, 0.0, True, scale=scale)
-        dk_flat, dv_flat = dk.view(-1, KB, dk.shape[-1]), dv.view(-1, KB, dv.shape[-1])
-        for r, a, b, kg, vg in u.gathered(k, v):
+        dk_flat, dv_flat = dkp.view(-1, KB, dkp.shape[-1]), dvp.view(-1, KB, dvp.shape[-1])
+        for r, a, b, kg, vg in u.gathered(kp, vp):
             gq, gk, gv = _flash_backward(du[r: r + 1, a:b], qu[r: r + 1, a:b], kg, vg, ou[r: r + 1, a:b],
                                          lu[r: r + 1, a:b], 0.0, False, scale=scale)
             g_q[r: r + 1, a:b] += gq
@@ -166,7 +179,7 @@ class _CausalBlocks(torch.autograd.Function):
         u.rows(dq).add_(g_q)
         u.rows(dk).add_(g_k)
         u.rows(dv).add_(g_v)
-        return dq, dk, dv, None, None, None, None
+        return grads
 
 
 class _Units:
@@ -175,12 +188,12 @@ class _Units:
     *)`` tensor that way (the kernel's batch and heads; no copy); :meth:`gathered` gathers the
     units' past key blocks in slices."""
 
-    def __init__(self, q: Tensor, ids: Tensor, P: int, KB: int):
+    def __init__(self, q: Tensor, ids: Tensor, P: int, KB: int, blocks: int):
         B, H, Np, E = q.shape
         c, S = ids.shape[2], ids.shape[3]
         self.P, self.KB, self.S, self.QB, self.c = P, KB, S, (Np - P) // c, c
-        # the past blocks' rows in keys viewed (B H Np / KB, KB, E)
-        self.flat = (ids + (torch.arange(B * H, device=q.device) * (Np // KB)).view(B, H, 1, 1)).reshape(B * H, c, S)
+        # the past blocks' rows in the past keys (``blocks`` blocks per item and head) viewed (B H blocks, KB, E)
+        self.flat = (ids + (torch.arange(B * H, device=q.device) * blocks).view(B, H, 1, 1)).reshape(B * H, c, S)
         self.step = max(1, _UNIT_BYTES // (2 * S * KB * E * q.element_size()))
 
     def rows(self, x: Tensor) -> Tensor:

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .._masks import masked_fill_value
 
-__all__ = ["Selection", "select_blocks", "block_means", "geometry"]
+__all__ = ["Selection", "select_blocks", "block_means", "geometry", "candidates", "choose_blocks"]
 
 # bytes of (query, key block) scores formed at a time
 _SCORE_BYTES = 1 << 26
@@ -132,23 +132,44 @@ def past_blocks(num_blocks: int, sinks: int, local: int) -> int:
     return sinks + local + num_blocks
 
 
-def select_blocks(q: Tensor, k: Tensor, causal: bool, scale: float, *, query_block: int, key_block: int,
-                  num_blocks: int, sinks: int, local: int, score: str) -> Selection:
-    """The key blocks of every query block (see the module docstring)."""
-    B, H, N, D = q.shape
-    M = k.shape[2]
-    dev = q.device
-    nk = -(-M // key_block)
-    lo, hi = (t.to(dev) for t in geometry(N, M, query_block, key_block, causal, local))
-    j = torch.arange(nk, device=dev)
+def candidates(n: int, m: int, causal: bool, *, query_block: int, key_block: int, sinks: int, local: int,
+               device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(lo, hi, candidate, forced)`` of every query block of ``n`` queries over ``m`` keys: the
+    key blocks under it (:func:`geometry`), which key blocks it may choose ``(nq, nk)`` and which it
+    always attends ``(nq, nk)``."""
+    nk = -(-m // key_block)
+    lo, hi = (t.to(device) for t in geometry(n, m, query_block, key_block, causal, local))
+    j = torch.arange(nk, device=device)
     if causal:  # the blocks before the query block's first query
         candidate = j < lo[:, None]
         forced = candidate & ((j < sinks) | (j >= lo[:, None] - local))
     else:
-        candidate = torch.ones(len(lo), nk, dtype=torch.bool, device=dev)
+        candidate = torch.ones(len(lo), nk, dtype=torch.bool, device=device)
         forced = ((j >= lo[:, None]) & (j < hi[:, None])) | (j < sinks)
+    return lo, hi, candidate, forced
+
+
+def select_blocks(q: Tensor, k: Tensor, causal: bool, scale: float, *, query_block: int, key_block: int,
+                  num_blocks: int, sinks: int, local: int, score: str) -> Selection:
+    """The key blocks of every query block (see the module docstring)."""
+    N, M = q.shape[2], k.shape[2]
+    lo, hi, candidate, forced = candidates(N, M, causal, query_block=query_block, key_block=key_block, sinks=sinks,
+                                           local=local, device=q.device)
     s = _scores(q, block_means(k, key_block), _counts(M, key_block, q), candidate, score, scale, query_block, causal)
-    s = s.masked_fill(forced, -math.inf)
+    return choose_blocks(s, M, lo, hi, candidate, forced, causal, query_block=query_block, key_block=key_block,
+                         num_blocks=num_blocks, sinks=sinks, local=local)
+
+
+def choose_blocks(s: Tensor, m: int, lo: Tensor, hi: Tensor, candidate: Tensor, forced: Tensor, causal: bool, *,
+                  query_block: int, key_block: int, num_blocks: int, sinks: int, local: int) -> Selection:
+    """The selection of query blocks with scores ``s`` ``(B, H, nq, nk)`` over the key blocks of
+    ``m`` keys and the rows of :func:`candidates` for them: the forced blocks, the ``num_blocks``
+    best-scored other candidates, and (causal) the diagonal ones."""
+    B, H = s.shape[:2]
+    dev = s.device
+    nk = s.shape[-1]
+    j = torch.arange(nk, device=dev)
+    s = s.masked_fill(~candidate, -math.inf).masked_fill(forced, -math.inf)
     # ties (as when every score is 0) go to the earlier block
     top, idx = (t[..., :num_blocks] for t in s.sort(dim=-1, descending=True, stable=True))
     valid = top > -math.inf
@@ -164,7 +185,7 @@ def select_blocks(q: Tensor, k: Tensor, causal: bool, scale: float, *, query_blo
     order = torch.where(valid, idx, nk + idx).argsort(-1)
     idx, valid = idx.gather(-1, order), valid.gather(-1, order)
     idx = idx.masked_fill(~valid, 0)
-    full = valid & ((idx + 1) * key_block <= M)
+    full = valid & ((idx + 1) * key_block <= m)
     if causal:
         full = full & (idx < lo.view(-1, 1))
     return Selection(idx, valid, full, query_block, key_block)
