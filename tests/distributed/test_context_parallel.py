@@ -177,3 +177,13 @@ def test_hybrid_refuses_what_it_cannot_shard():
     with pytest.raises(ValueError, match="whole query blocks"):
         y = x[:, :, : 13 - 2 * dist.get_rank()]  # rank 0: 13 tokens
         sqd.attention(y, y, y, method="hybrid", causal=True, **HYBRID)
+
+
+@pytest.mark.parametrize("lengths", [[24, 24], [40, 9]], ids=["even", "rank 0 more rounds"])
+def test_hybrid_in_several_rounds(lengths, monkeypatch):
+    """Two query blocks a round: several rounds of fetches, forward and backward, and a rank with
+    fewer query blocks serving in rounds where it computes nothing."""
+    import subquad.ops.hybrid.sharded as sharded
+
+    monkeypatch.setattr(sharded, "ROUND_BLOCKS", 2)
+    _check("hybrid", True, lengths, lengths, False, options=HYBRID)

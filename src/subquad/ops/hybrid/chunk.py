@@ -20,7 +20,8 @@ from torch import Tensor
 from .._masks import masked_fill_value
 from .select import Selection
 
-__all__ = ["CausalBlocks", "attend_causal", "attend_gathered"]
+__all__ = ["attend_causal", "attend_gathered", "prefix_backward", "prefix_forward", "units_backward",
+           "units_forward"]
 
 # bytes of gathered keys, values and logits formed per chunk of query blocks
 _CHUNK_BYTES = 1 << 25
@@ -113,93 +114,112 @@ def attend_causal(q: Tensor, k: Tensor, v: Tensor, sel: Selection, past: int, sc
     q, k, v = (t.contiguous() if t.shape[-2:] == (Np, E) else F.pad(t, (0, E - t.shape[-1], 0, Np - N)).contiguous()
                for t in (q, k, v))
     i0 = min(sparse_start(sel, past), Np // QB)
-    out = CausalBlocks.apply(q, k, v, k, v, sel.index[:, :, i0:, :past], i0 * QB, sel.key_block, scale)
+    out = _CausalBlocks.apply(q, k, v, sel.index[:, :, i0:, :past], i0 * QB, sel.key_block, scale)
     return out[:, :, :N, :Dv]
 
 
-class CausalBlocks(torch.autograd.Function):
+class _CausalBlocks(torch.autograd.Function):
     """q, k, v ``(B, H, Np, E)`` contiguous, ``Np`` a multiple of QB; ``ids`` ``(B, H, c, S)`` the
-    past key blocks of the query blocks from position ``P`` on (``c = (Np - P) / QB``), blocks of
-    ``kp``, ``vp`` ``(B, H, nb KB, E)`` contiguous: ``k`` and ``v`` themselves (the same objects:
-    their gradients are then one), or other keys and values (those a context-parallel rank
-    fetched, followed by its own: :mod:`subquad.ops.hybrid.sharded`)."""
+    past key blocks of the query blocks from position ``P`` on (``c = (Np - P) / QB``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kp, vp, ids, P, KB, scale):
-        B, H, Np, E = q.shape
-        out = torch.empty_like(q)
-        lse = q.new_empty(B, H, Np, dtype=torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype)
-        if P:
-            out[:, :, :P], lse[:, :, :P] = _flash(q[:, :, :P], k[:, :, :P], v[:, :, :P], is_causal=True, scale=scale)
+    def forward(ctx, q, k, v, ids, P, KB, scale):
+        out, lse = prefix_forward(q, k, v, P, scale)
         if ids.shape[2]:
-            u = _Units(q, ids, P, KB, kp.shape[2] // KB)
-            o_d, l_d = _flash(u.rows(q), u.rows(k), u.rows(v), is_causal=True, scale=scale)  # own positions
-            o, l_out = u.rows(out), u.rows(lse)
-            for r, a, b, kg, vg in u.gathered(kp, vp):
-                o_p, l_p = _flash(u.rows(q)[r: r + 1, a:b], kg, vg, scale=scale)
-                both = torch.logaddexp(l_p[0], l_d[r, a:b])
-                w_p, w_d = (l_p[0] - both).exp().unsqueeze(-1), (l_d[r, a:b] - both).exp().unsqueeze(-1)
-                o[r, a:b] = o_p[0].to(w_p.dtype).mul_(w_p).add_(o_d[r, a:b].to(w_p.dtype) * w_d)
-                l_out[r, a:b] = both
-        ctx.shared = kp is k and vp is v
-        ctx.save_for_backward(q, k, v, *(() if ctx.shared else (kp, vp)), ids, out, lse)
+            units_forward(q, k, v, k, v, ids, P, (q.shape[2] - P) // ids.shape[2], KB, scale, out, lse)
+        ctx.save_for_backward(q, k, v, ids, out, lse)
         ctx.P, ctx.KB, ctx.scale = P, KB, scale
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        if ctx.shared:
-            q, k, v, ids, out, lse = ctx.saved_tensors
-            kp, vp = k, v
-        else:
-            q, k, v, kp, vp, ids, out, lse = ctx.saved_tensors
+        q, k, v, ids, out, lse = ctx.saved_tensors
         P, scale, KB = ctx.P, ctx.scale, ctx.KB
         dout = dout.contiguous()
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        dkp, dvp = (dk, dv) if ctx.shared else (torch.zeros_like(kp), torch.zeros_like(vp))
-        if P:
-            dq[:, :, :P], dk[:, :, :P], dv[:, :, :P] = _flash_backward(
-                dout[:, :, :P], q[:, :, :P], k[:, :, :P], v[:, :, :P], out[:, :, :P], lse[:, :, :P], 0.0, True,
-                scale=scale)
-        grads = (dq, dk, dv, None if ctx.shared else dkp, None if ctx.shared else dvp, None, None, None, None)
-        if ids.shape[2] == 0:
-            return grads
-        u = _Units(q, ids, P, KB, kp.shape[2] // KB)
-        du, ou, lu, qu = u.rows(dout), u.rows(out), u.rows(lse), u.rows(q)
-        g_q, g_k, g_v = _flash_backward(du, qu, u.rows(k), u.rows(v), ou, lu, 0.0, True, scale=scale)
-        dk_flat, dv_flat = dkp.view(-1, KB, dkp.shape[-1]), dvp.view(-1, KB, dvp.shape[-1])
-        for r, a, b, kg, vg in u.gathered(kp, vp):
-            gq, gk, gv = _flash_backward(du[r: r + 1, a:b], qu[r: r + 1, a:b], kg, vg, ou[r: r + 1, a:b],
-                                         lu[r: r + 1, a:b], 0.0, False, scale=scale)
-            g_q[r: r + 1, a:b] += gq
-            flat = u.flat[r, a:b].flatten()
-            dk_flat.index_add_(0, flat, gk.reshape(-1, KB, gk.shape[-1]))
-            dv_flat.index_add_(0, flat, gv.reshape(-1, KB, gv.shape[-1]))
-        u.rows(dq).add_(g_q)
-        u.rows(dk).add_(g_k)
-        u.rows(dv).add_(g_v)
-        return grads
+        dq, dk, dv = prefix_backward(dout, q, k, v, out, lse, P, scale)
+        if ids.shape[2]:
+            units_backward(dout, q, k, v, k, v, ids, P, (q.shape[2] - P) // ids.shape[2], KB, scale, out, lse,
+                           (dq, dk, dv, dk, dv))
+        return dq, dk, dv, None, None, None, None
+
+
+def prefix_forward(q: Tensor, k: Tensor, v: Tensor, P: int, scale: float) -> tuple[Tensor, Tensor]:
+    """``out`` and ``lse`` for q ``(B, H, Np, E)``, rows ``..P`` filled: causal attention of the
+    first ``P`` positions (the dense prefix); the rest left for :func:`units_forward`."""
+    out = torch.empty_like(q)
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype)
+    if P:
+        out[:, :, :P], lse[:, :, :P] = _flash(q[:, :, :P], k[:, :, :P], v[:, :, :P], is_causal=True, scale=scale)
+    return out, lse
+
+
+def prefix_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, P: int,
+                    scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``dq``, ``dk``, ``dv`` with the dense prefix's gradients in rows ``..P``, zeros elsewhere."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if P:
+        dq[:, :, :P], dk[:, :, :P], dv[:, :, :P] = _flash_backward(
+            dout[:, :, :P], q[:, :, :P], k[:, :, :P], v[:, :, :P], out[:, :, :P], lse[:, :, :P], 0.0, True,
+            scale=scale)
+    return dq, dk, dv
+
+
+def units_forward(q: Tensor, k: Tensor, v: Tensor, kp: Tensor, vp: Tensor, ids: Tensor, P: int, QB: int, KB: int,
+                  scale: float, out: Tensor, lse: Tensor) -> None:
+    """Rows ``P .. P + c QB`` of ``out`` and ``lse`` (all ``(B, H, Np, *)`` contiguous): query block
+    ``i`` attends its past blocks ``ids[:, :, i]`` (of ``kp``, ``vp``) and, causally, its own
+    positions (of ``k``, ``v``); the two parts merge by their log-sum-exps."""
+    u = _Units(q, ids, P, QB, KB, kp.shape[2] // KB)
+    o_d, l_d = _flash(u.rows(q), u.rows(k), u.rows(v), is_causal=True, scale=scale)  # own positions
+    o, l_out = u.rows(out), u.rows(lse)
+    for r, a, b, kg, vg in u.gathered(kp, vp):
+        o_p, l_p = _flash(u.rows(q)[r: r + 1, a:b], kg, vg, scale=scale)
+        both = torch.logaddexp(l_p[0], l_d[r, a:b])
+        w_p, w_d = (l_p[0] - both).exp().unsqueeze(-1), (l_d[r, a:b] - both).exp().unsqueeze(-1)
+        o[r, a:b] = o_p[0].to(w_p.dtype).mul_(w_p).add_(o_d[r, a:b].to(w_p.dtype) * w_d)
+        l_out[r, a:b] = both
+
+
+def units_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, kp: Tensor, vp: Tensor, ids: Tensor, P: int,
+                   QB: int, KB: int, scale: float, out: Tensor, lse: Tensor, grads: tuple[Tensor, ...]) -> None:
+    """The backward of :func:`units_forward` from the merged ``out`` and ``lse``, added to ``grads``
+    ``(dq, dk, dv, dkp, dvp)`` (``dkp``, ``dvp`` may be ``dk``, ``dv`` themselves)."""
+    dq, dk, dv, dkp, dvp = grads
+    u = _Units(q, ids, P, QB, KB, kp.shape[2] // KB)
+    du, ou, lu, qu = u.rows(dout), u.rows(out), u.rows(lse), u.rows(q)
+    g_q, g_k, g_v = _flash_backward(du, qu, u.rows(k), u.rows(v), ou, lu, 0.0, True, scale=scale)
+    dk_flat, dv_flat = dkp.view(-1, KB, dkp.shape[-1]), dvp.view(-1, KB, dvp.shape[-1])
+    for r, a, b, kg, vg in u.gathered(kp, vp):
+        gq, gk, gv = _flash_backward(du[r: r + 1, a:b], qu[r: r + 1, a:b], kg, vg, ou[r: r + 1, a:b],
+                                     lu[r: r + 1, a:b], 0.0, False, scale=scale)
+        g_q[r: r + 1, a:b] += gq
+        flat = u.flat[r, a:b].flatten()
+        dk_flat.index_add_(0, flat, gk.reshape(-1, KB, gk.shape[-1]))
+        dv_flat.index_add_(0, flat, gv.reshape(-1, KB, gv.shape[-1]))
+    u.rows(dq).add_(g_q)
+    u.rows(dk).add_(g_k)
+    u.rows(dv).add_(g_v)
 
 
 class _Units:
-    """The sparse query blocks of :class:`_CausalBlocks` as units: ``(B H, c)``, one row per (item,
-    head), one column per query block from position ``P`` on. :meth:`rows` views any ``(B, H, Np,
-    *)`` tensor that way (the kernel's batch and heads; no copy); :meth:`gathered` gathers the
-    units' past key blocks in slices."""
+    """``c`` query blocks of ``QB`` positions from ``P`` on as units: ``(B H, c)``, one row per
+    (item, head), one column per query block. :meth:`rows` views any ``(B, H, Np, *)`` tensor that
+    way (the kernel's batch and heads; no copy); :meth:`gathered` gathers the units' past key
+    blocks in slices."""
 
-    def __init__(self, q: Tensor, ids: Tensor, P: int, KB: int, blocks: int):
+    def __init__(self, q: Tensor, ids: Tensor, P: int, QB: int, KB: int, blocks: int):
         B, H, Np, E = q.shape
         c, S = ids.shape[2], ids.shape[3]
-        self.P, self.KB, self.S, self.QB, self.c = P, KB, S, (Np - P) // c, c
+        self.P, self.KB, self.S, self.QB, self.c = P, KB, S, QB, c
         # the past blocks' rows in the past keys (``blocks`` blocks per item and head) viewed (B H blocks, KB, E)
         self.flat = (ids + (torch.arange(B * H, device=q.device) * blocks).view(B, H, 1, 1)).reshape(B * H, c, S)
         self.step = max(1, _UNIT_BYTES // (2 * S * KB * E * q.element_size()))
 
     def rows(self, x: Tensor) -> Tensor:
-        """Positions ``P ..`` of a contiguous ``x`` ``(B, H, Np, *)`` viewed ``(B H, c, QB, *)``."""
+        """Positions ``P .. P + c QB`` of a contiguous ``x`` ``(B, H, Np, *)`` viewed ``(B H, c, QB, *)``."""
         B, H, Np = x.shape[:3]
-        return x.view(B * H, Np, *x.shape[3:])[:, self.P:].unflatten(1, (self.c, self.QB))
+        return x.view(B * H, Np, *x.shape[3:])[:, self.P: self.P + self.c * self.QB].unflatten(1, (self.c, self.QB))
 
     def gathered(self, k: Tensor, v: Tensor):
         """``(r, a, b, keys, values)`` for the units ``a .. b - 1`` of row ``r``: their past key

@@ -7,11 +7,14 @@ causal self-attention, the LLM case, each rank holding whole query and key block
 2. **Selection**: each rank scores its query blocks against the key blocks before them with the
    single-process rule (``score="mean"``: a block is rated by the previous query block's mean, which
    for a rank's first block is the previous rank's last), so it picks the same blocks.
-3. **Fetch**: the selected key blocks that live on earlier ranks, per (item, head) each block once,
-   sent by their owners: one exchange of counts, then point-to-point sends of the wanted block ids
-   and of those blocks' keys and values; the backward sends their gradients back the same way.
-4. **Attention**: the CPU fused-kernel form of the causal op (:class:`~subquad.ops.hybrid.chunk.CausalBlocks`)
-   on the rank's own queries, with its past blocks drawn from the fetched blocks and its own.
+3. **Rounds**: a rank takes its query blocks :data:`ROUND_BLOCKS` at a time. Per round, the
+   selected key blocks that live on earlier ranks, each (item, head, block) once, are sent by
+   their owners (one exchange of counts, then point-to-point sends of the wanted block ids and of
+   those blocks' keys and values), and the round's query blocks attend them with the CPU
+   fused-kernel form of the causal op (:func:`~subquad.ops.hybrid.chunk.units_forward`). Every rank
+   takes part in as many rounds as the rank with the most query blocks (serving the others).
+4. **Backward**: the same rounds fetch the blocks again (a rank never holds more than one round's)
+   and send their gradients back to their owners.
 
 A rank other than the first must start past the dense prefix (where a query block's selection is
 every key before it): at ``(past KB / QB + 1) QB`` tokens, 2304 at the defaults. Not supported:
@@ -29,10 +32,14 @@ from torch import Tensor
 from .._masks import compute_dtype, compute_precision
 from .._sharded import Shards
 from ..softmax.ring import ring_attention
-from .chunk import CausalBlocks, sparse_start
+from .chunk import prefix_backward, prefix_forward, sparse_start, units_backward, units_forward
 from .select import block_means, candidates, choose_blocks, past_blocks
 
-__all__ = ["hybrid_context_parallel"]
+__all__ = ["hybrid_context_parallel", "ROUND_BLOCKS"]
+
+#: query blocks a rank computes per round of fetches: a round's fetched blocks are at most
+#: ``ROUND_BLOCKS (sinks + local + num_blocks)`` per (item, head), whatever N
+ROUND_BLOCKS = 8
 
 
 def _check(o, key_padding_mask: Tensor | None, causal: bool, q: Tensor, lengths: list[int], past: int,
@@ -102,49 +109,79 @@ def hybrid_context_parallel(q, k, v, key_padding_mask, causal, scale, o, shards:
                                 query_block=QB, key_block=KB, num_blocks=o.num_blocks, sinks=o.sinks, local=o.local)
         Np, E = -(-n // QB) * QB, max(D, Dv)
         qc, kc, vc = (F.pad(t, (0, E - t.shape[-1], 0, Np - n)).contiguous() for t in (qc, kc, vc))
-        i0 = min(sparse_start(sel, past), Np // QB) if shards.rank == 0 else 0
-        ids = sel.index[:, :, i0:, :past]
-        kp, vp, ids = _past_keys(kc, vc, ids, start // KB, KB, shards, lengths)
-        out = CausalBlocks.apply(qc, kc, vc, kp, vp, ids, i0 * QB, KB, scale)
+        dense = [min(sparse_start(sel, past), -(-lengths[0] // QB))] + [0] * (len(lengths) - 1)  # rank 0's prefix
+        units = [-(-n // QB) - d for n, d in zip(lengths, dense)]
+        i0 = dense[shards.rank]
+        out = _Blocks.apply(qc, kc, vc, sel.index[:, :, i0:, :past], i0 * QB, start // KB,
+                            max(-(-u // ROUND_BLOCKS) for u in units), QB, KB, scale, shards, lengths)
     return out[:, :, :n, :Dv].to(q.dtype)
 
 
-def _past_keys(k: Tensor, v: Tensor, ids: Tensor, first: int, KB: int, shards: Shards,
-               lengths: list[int]) -> tuple[Tensor, Tensor, Tensor]:
-    """The past keys and values ``(B, H, (F + nb) KB, E)``, the ``F`` fetched blocks of each (item,
-    head) then this rank's own ``nb``, and ``ids`` (global block ids, own from ``first`` on) as
-    indices into them."""
-    B, H = ids.shape[:2]
-    wanted = torch.zeros(B, H, first + 1, dtype=torch.bool, device=ids.device)  # the last column: own blocks
-    wanted.scatter_(-1, ids.clamp(max=first).flatten(2), True)
-    wanted = wanted[..., :first]
-    slot = wanted.long().cumsum(-1) - 1  # a wanted block's place among its (item, head)'s fetched ones
-    F_ = int(wanted.sum(-1).max()) if first else 0
-    remote = slot.gather(-1, ids.clamp(max=first - 1).flatten(2)).view_as(ids) if first else ids
-    local = torch.where(ids < first, remote, F_ + ids - first)
-    bh, block = wanted.view(B * H, first).nonzero(as_tuple=True)
-    plan = _Plan(bh, block, slot.view(B * H, first)[bh, block] if first else block, F_, KB, shards, lengths)
-    kp, vp = _Fetch.apply(k, v, plan)
-    return kp, vp, local
+class _Round:
+    """One round of a rank's query blocks (``ids`` ``(B, H, c, S)``, global key-block ids; ``first``
+    the rank's first own block, ``blocks`` its own count): the past blocks they use, each (item,
+    head, block) once, at ``slot`` in a buffer of ``size`` blocks per (item, head) (``ids`` holds
+    them as indices into it); which are its own and which each earlier rank sends, and which
+    blocks each later rank wants from this one (exchanged at construction: counts to all, then
+    the ids point to point)."""
 
+    def __init__(self, ids: Tensor, first: int, blocks: int, KB: int, shards: Shards, lengths: list[int]):
+        B, H = ids.shape[:2]
+        self.shards, self.KB = shards, KB
+        need = torch.zeros(B, H, first + blocks, dtype=torch.bool, device=ids.device)
+        need.scatter_(-1, ids.flatten(2), True)
+        slot = need.long().cumsum(-1) - 1
+        self.size = int(need.sum(-1).max()) if ids.numel() else 0
+        self.ids = slot.gather(-1, ids.flatten(2)).view_as(ids)
+        bh, block = need.view(B * H, -1).nonzero(as_tuple=True)
+        at = slot.view(B * H, -1)[bh, block]
+        firsts = [sum(lengths[:r]) // KB for r in range(len(lengths))]
+        owner = torch.bucketize(block, torch.tensor(firsts[1:], device=block.device), right=True)
+        # per owner rank: (item-head, the owner's own block index, slot here)
+        self.want = [(bh[owner == r], block[owner == r] - firsts[r], at[owner == r]) for r in range(shards.size)]
+        counts = shards.gather_ints([len(w[0]) for w in self.want], ids.device)
+        me = shards.rank
+        self.serve = [torch.empty(2, counts[r][me], dtype=torch.int64, device=ids.device) for r in range(shards.size)]
+        _swap(shards, [(torch.stack(self.want[r][:2]), r) for r in range(shards.size)
+                       if r != me and len(self.want[r][0])],
+              [(self.serve[r], r) for r in range(shards.size) if r != me and counts[r][me]])
 
-class _Plan:
-    """Who sends which key blocks to whom: this rank's wanted ``(bh, block)`` pairs (global block
-    ids, each going to ``slot`` of its (item, head)), split by owner, and the pairs every later rank
-    wants from this one (exchanged at construction: counts to all, then the ids)."""
+    def past_keys(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """The round's past keys and values ``(B, H, size KB, E)``: its own blocks copied, the others
+        received from their owners (while sending the blocks later ranks want from this one)."""
+        B, H, Np, E = k.shape
+        me, KB = self.shards.rank, self.KB
+        own_k, own_v = k.view(B * H, Np // KB, KB, E), v.view(B * H, Np // KB, KB, E)
+        kp, vp = k.new_zeros(B * H, self.size, KB, E), v.new_zeros(B * H, self.size, KB, E)
+        got = {r: k.new_empty(2, len(w[0]), KB, E) for r, w in enumerate(self.want) if r != me and len(w[0])}
+        sends = [(torch.stack([own_k[bh, block], own_v[bh, block]]), r) for r, (bh, block) in enumerate(self.serve)
+                 if r != me and bh.numel()]
+        _swap(self.shards, sends, list(zip(got.values(), got.keys())))
+        bh, block, at = self.want[me]
+        kp[bh, at], vp[bh, at] = own_k[bh, block], own_v[bh, block]
+        for r, t in got.items():
+            bh, _, at = self.want[r]
+            kp[bh, at], vp[bh, at] = t[0], t[1]
+        return kp.view(B, H, self.size * KB, E), vp.view(B, H, self.size * KB, E)
 
-    def __init__(self, bh: Tensor, block: Tensor, slot: Tensor, fetched: int, KB: int, shards: Shards,
-                 lengths: list[int]):
-        self.shards, self.KB, self.fetched = shards, KB, fetched
-        firsts = [sum(lengths[:s]) // KB for s in range(len(lengths))] + [10 ** 18]
-        owner = torch.bucketize(block, torch.tensor(firsts[1:-1], device=block.device), right=True)
-        self.want = [(bh[owner == s], block[owner == s] - firsts[s], slot[owner == s]) for s in range(shards.size)]
-        counts = shards.gather_ints([len(w[0]) for w in self.want], block.device)
-        r = shards.rank
-        self.serve = [torch.empty(2, counts[s][r], dtype=torch.int64, device=block.device) for s in range(shards.size)]
-        sends = [(torch.stack(self.want[s][:2]), s) for s in range(shards.size) if len(self.want[s][0])]
-        recvs = [(self.serve[s], s) for s in range(shards.size) if counts[s][r]]
-        _swap(shards, sends, recvs)
+    def add_gradients(self, dkp: Tensor, dvp: Tensor, dk: Tensor, dv: Tensor) -> None:
+        """Add the past blocks' gradients ``dkp``, ``dvp`` to their owners' ``dk``, ``dv``: its own
+        here, the others sent back (while receiving those of the blocks this rank served)."""
+        B, H, Np, E = dk.shape
+        me, KB = self.shards.rank, self.KB
+        gk, gv = dkp.view(B * H, self.size, KB, E), dvp.view(B * H, self.size, KB, E)
+        rows_k, rows_v = dk.view(B * H, Np // KB, KB, E), dv.view(B * H, Np // KB, KB, E)
+        sends = [(torch.stack([gk[bh, at], gv[bh, at]]), r) for r, (bh, _, at) in enumerate(self.want)
+                 if r != me and len(bh)]
+        got = {r: dk.new_empty(2, bh.numel(), KB, E) for r, (bh, _) in enumerate(self.serve) if r != me and bh.numel()}
+        _swap(self.shards, sends, list(zip(got.values(), got.keys())))
+        bh, block, at = self.want[me]
+        rows_k.index_put_((bh, block), gk[bh, at], accumulate=True)
+        rows_v.index_put_((bh, block), gv[bh, at], accumulate=True)
+        for r, t in got.items():
+            bh, block = self.serve[r]
+            rows_k.index_put_((bh, block), t[0], accumulate=True)
+            rows_v.index_put_((bh, block), t[1], accumulate=True)
 
 
 def _swap(shards: Shards, sends: list[tuple[Tensor, int]], recvs: list[tuple[Tensor, int]]) -> None:
@@ -158,46 +195,40 @@ def _swap(shards: Shards, sends: list[tuple[Tensor, int]], recvs: list[tuple[Ten
         request.wait()
 
 
-class _Fetch(torch.autograd.Function):
-    """``(kp, vp)``: the wanted blocks of earlier ranks' keys and values, then this rank's own ``k``,
-    ``v`` ``(B, H, Np, E)``; backward returns each fetched block's gradient to its owner, who adds
-    it to its own keys' and values'."""
+class _Blocks(torch.autograd.Function):
+    """The causal op on a rank's shard ``q``, ``k``, ``v`` ``(B, H, Np, E)`` contiguous: positions
+    before ``P`` (rank 0's dense prefix) causal attention; then its query blocks (past blocks
+    ``ids``) in ``rounds`` rounds of :data:`ROUND_BLOCKS`, each fetching its past blocks
+    (:class:`_Round`). The backward fetches them again rather than keep them, so a rank holds one
+    round's blocks at a time, forward and backward."""
 
     @staticmethod
-    def forward(ctx, k, v, plan):
-        ctx.plan = plan
-        B, H, Np, E = k.shape
-        KB, fetched, shards = plan.KB, plan.fetched, plan.shards
-        rows = lambda x: x.view(B * H, Np // KB, KB, E)  # noqa: E731
-        sends = [(torch.stack([rows(k)[bh, blk], rows(v)[bh, blk]]), s)
-                 for s, (bh, blk) in enumerate(plan.serve) if bh.numel()]
-        got = {s: k.new_empty(2, len(w[0]), KB, E) for s, w in enumerate(plan.want) if len(w[0])}
-        _swap(shards, sends, [(t, s) for s, t in got.items()])
-        kf, vf = k.new_zeros(B * H, fetched, KB, E), v.new_zeros(B * H, fetched, KB, E)
-        for s, t in got.items():
-            bh, _, slot = plan.want[s]
-            kf[bh, slot], vf[bh, slot] = t[0], t[1]
-        kp = torch.cat([kf.view(B, H, fetched * KB, E), k], 2)
-        vp = torch.cat([vf.view(B, H, fetched * KB, E), v], 2)
-        return kp, vp
+    def forward(ctx, q, k, v, ids, P, first, rounds, QB, KB, scale, shards, lengths):
+        Np = q.shape[2]
+        out, lse = prefix_forward(q, k, v, P, scale)
+        plans = []
+        for t in range(rounds):
+            part = ids[:, :, t * ROUND_BLOCKS: (t + 1) * ROUND_BLOCKS]
+            plans.append(_Round(part, first, Np // KB, KB, shards, lengths))
+            kp, vp = plans[-1].past_keys(k, v)
+            if part.shape[2]:
+                units_forward(q, k, v, kp, vp, plans[-1].ids, P + t * ROUND_BLOCKS * QB, QB, KB, scale, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plans, ctx.P, ctx.QB, ctx.KB, ctx.scale = plans, P, QB, KB, scale
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dkp, dvp):
-        plan = ctx.plan
-        KB, fetched, shards = plan.KB, plan.fetched, plan.shards
-        B, H, L, E = dkp.shape
-        Np = L - fetched * KB
-        dk, dv = dkp[:, :, fetched * KB:].clone(), dvp[:, :, fetched * KB:].clone()
-        gk = dkp[:, :, : fetched * KB].reshape(B * H, fetched, KB, E)
-        gv = dvp[:, :, : fetched * KB].reshape(B * H, fetched, KB, E)
-        sends = [(torch.stack([gk[bh, slot], gv[bh, slot]]), s) for s, (bh, _, slot) in enumerate(plan.want)
-                 if len(bh)]
-        got = {s: dk.new_empty(2, bh.numel(), KB, E) for s, (bh, _) in enumerate(plan.serve) if bh.numel()}
-        _swap(shards, sends, [(t, s) for s, t in got.items()])
-        rows_k, rows_v = dk.view(B * H, Np // KB, KB, E), dv.view(B * H, Np // KB, KB, E)
-        for s, t in got.items():
-            bh, blk = plan.serve[s]
-            rows_k.index_put_((bh, blk), t[0], accumulate=True)
-            rows_v.index_put_((bh, blk), t[1], accumulate=True)
-        return dk, dv, None
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        P, QB, KB, scale = ctx.P, ctx.QB, ctx.KB, ctx.scale
+        dout = dout.contiguous()
+        dq, dk, dv = prefix_backward(dout, q, k, v, out, lse, P, scale)
+        for t, plan in enumerate(ctx.plans):
+            kp, vp = plan.past_keys(k, v)
+            dkp, dvp = torch.zeros_like(kp), torch.zeros_like(vp)
+            if plan.ids.shape[2]:
+                units_backward(dout, q, k, v, kp, vp, plan.ids, P + t * ROUND_BLOCKS * QB, QB, KB, scale, out, lse,
+                               (dq, dk, dv, dkp, dvp))
+            plan.add_gradients(dkp, dvp, dk, dv)
+        return dq, dk, dv, *([None] * 9)
