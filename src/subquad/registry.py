@@ -106,7 +106,7 @@ class MethodInfo:
     #: (which then join it), ``select(batch_index)``, ``nbytes()`` and ``seen``
     decode_state: Callable[[Any], Any] | None = dataclasses.field(default=None, repr=False, compare=False)
     #: True for a method that forms every logit to measure a selection rule's quality (topk, quest,
-    #: moba, xattention): ``subquad compare`` runs it when named, not by default
+    #: moba, xattention, magicpig): ``subquad compare`` runs it when named, not by default
     quality_reference: bool = False
     #: ``budget_options(options, keys) -> {option name: value}``: for a sparse method, the options
     #: that change from ``options`` so that a query attends exactly to about ``keys`` keys (beyond

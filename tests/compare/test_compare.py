@@ -15,7 +15,8 @@ def test_every_registered_method_runs_by_default(fake_minilm, capsys, tmp_path):
                      "--no-memory", "--no-backward", "--quiet", "--out", str(out_dir)])
     assert code == 0
     methods = [m.name for m in subquad.list_methods() if m.kind in ("attention", "mixer") and not m.quality_reference]
-    assert {m.name for m in subquad.list_methods() if m.quality_reference} == {"topk", "quest", "moba", "xattention"}
+    references = {"topk", "quest", "moba", "xattention", "magicpig"}
+    assert {m.name for m in subquad.list_methods() if m.quality_reference} == references
     res = json.loads((out_dir / "results.json").read_text())
     assert sorted((r["n"], r["method"]) for r in res["rows"]) == sorted((n, m) for n in (16, 24) for m in methods)
     assert all(r["forward_s"] > 0 for r in res["rows"])

@@ -21,7 +21,8 @@ OPTIONS = {"nystrom": {"num_landmarks": 4}, "lara": {"num_landmarks": 4}, "perfo
            "sinkhorn": {"block_size": 4}, "linear": {"chunk_size": 4}, "hedgehog": {"chunk_size": 4},
            "hybrid": {"query_block": 4, "key_block": 2, "num_blocks": 1}, "topk": {"top_k": 4},
            "quest": {"page_size": 2, "num_pages": 2}, "moba": {"block_size": 2, "top_blocks": 2},
-           "xattention": {"block_size": 4, "stride": 2, "threshold": 0.5}}
+           "xattention": {"block_size": 4, "stride": 2, "threshold": 0.5},
+           "magicpig": {"num_bits": 2, "num_tables": 4, "sinks": 1, "local": 2}}
 
 
 class WordTokenizer:

@@ -50,7 +50,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     meth = p.add_argument_group("methods")
     meth.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
                       help="methods to run (default: every registered one but the quality references topk, "
-                      "quest, moba and xattention, which form every logit); exact attention (softmax) "
+                      "quest, moba, xattention and magicpig, which form every logit); exact attention (softmax) "
                       "is always included as the baseline")
     add_option_argument(meth, "nystrom.num_landmarks=32 (NAME alone: every selected method with that option)")
     rec = p.add_argument_group("recommendation")

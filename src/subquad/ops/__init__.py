@@ -23,6 +23,7 @@ from .topk import topk_attention
 from .quest import quest_attention
 from .moba import moba_attention
 from .xattention import xattention_attention
+from .magicpig import magicpig_attention
 from .hedgehog import hedgehog_attention
 from .decomposition import cd, factorize, nmf, vq
 
@@ -41,6 +42,7 @@ __all__ = [
     "quest_attention",
     "moba_attention",
     "xattention_attention",
+    "magicpig_attention",
     "hedgehog_attention",
     "nmf",
     "vq",
