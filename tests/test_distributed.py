@@ -1,4 +1,5 @@
-"""Starts the context-parallel tests (tests/distributed/) on two processes with torchrun and gloo."""
+"""Starts the context-parallel tests (tests/distributed/) and the README's example on two processes
+with torchrun and gloo."""
 
 from __future__ import annotations
 
@@ -10,11 +11,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_context_parallel_on_two_processes():
+def _torchrun(*args: str) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("PYTEST_XDIST_WORKER", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", str(ROOT / "tests" / "distributed")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
-    assert " passed" in done.stdout and " failed" not in done.stdout, done.stdout[-3000:]
+    return done.stdout
+
+
+def test_context_parallel_on_two_processes():
+    out = _torchrun("-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", str(ROOT / "tests" / "distributed"))
+    assert " passed" in out and " failed" not in out, out[-3000:]
+
+
+def test_readme_example():
+    out = _torchrun(str(ROOT / "examples" / "context_parallel.py"))
+    assert "hybrid" in out and "linear" in out, out

@@ -46,6 +46,8 @@ def test_readme_command_parses(line):
         assert set(words[1:]) <= MAKE_TARGETS, f"no such make target in {line!r}"
     elif words[0] == "subquad":
         _parses(cli.build_parser(), words[1:])
+    elif words[0] == "torchrun" and "-m" not in words:  # a script of this checkout (run by its own test)
+        assert (ROOT / words[-1]).is_file(), f"no such script in {line!r}"
     elif words[0] == "torchrun":
         module = words.index("-m")
         assert words[module + 1] == "subquad.train.cli", line

@@ -108,7 +108,8 @@ def hybrid_context_parallel(q, k, v, key_padding_mask, causal, scale, o, shards:
             sel = choose_blocks(scale * before @ means.mT, end, lo[g0:], hi[g0:], cand[g0:], forced[g0:], True,
                                 query_block=QB, key_block=KB, num_blocks=o.num_blocks, sinks=o.sinks, local=o.local)
         Np, E = -(-n // QB) * QB, max(D, Dv)
-        qc, kc, vc = (F.pad(t, (0, E - t.shape[-1], 0, Np - n)).contiguous() for t in (qc, kc, vc))
+        qc, kc, vc = (t.contiguous() if t.shape[-2:] == (Np, E) else F.pad(t, (0, E - t.shape[-1], 0, Np - n))
+                      for t in (qc, kc, vc))  # no copy when nothing is padded
         dense = [min(sparse_start(sel, past), -(-lengths[0] // QB))] + [0] * (len(lengths) - 1)  # rank 0's prefix
         units = [-(-n // QB) - d for n, d in zip(lengths, dense)]
         i0 = dense[shards.rank]
