@@ -5,7 +5,8 @@ process; median of ``--reps`` calls after one warm-up call), and what a process 
 collectives per call (subquad.distributed.traffic; the most of any process).
 
     python benchmarks/context_parallel.py --out benchmarks/results/context_parallel
-    python benchmarks/context_parallel.py --fit-mib 2048 --methods linear hybrid --n 32768 --out ...  # largest N under a limit
+    python benchmarks/context_parallel.py --fit-mib 2048 --methods linear hybrid --n 32768 --out ...
+    (the largest N under a memory limit)
 
 Each measurement is a fresh process (or pair of processes), so one's memory peak cannot hide
 another's; the single and the sharded runs of a method alternate. B = 1, H = 8, D = 64, float32.

@@ -21,7 +21,8 @@ def _torchrun(*args: str) -> str:
 
 
 def test_context_parallel_on_two_processes():
-    out = _torchrun("-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", str(ROOT / "tests" / "distributed"))
+    out = _torchrun("-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                    str(ROOT / "tests" / "distributed"))
     assert " passed" in out and " failed" not in out, out[-3000:]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from ...registry import register_method
 from .._masks import compute_dtype, compute_precision, drop_padded, masked_fill_value, no_key_rows

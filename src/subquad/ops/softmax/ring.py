@@ -36,7 +36,8 @@ def _bias(real: Tensor | None, like: Tensor) -> Tensor | None:
     """Additive ``(B, 1, 1, m)`` bias, -inf at padded keys (``real``: ``(B, m)`` True = a real key)."""
     if real is None:
         return None
-    return torch.zeros(real.shape, dtype=like.dtype, device=like.device).masked_fill_(real == 0, -math.inf)[:, None, None]
+    bias = torch.zeros(real.shape, dtype=like.dtype, device=like.device)
+    return bias.masked_fill_(real == 0, -math.inf)[:, None, None]
 
 
 def _logits(q: Tensor, k: Tensor, bias: Tensor | None, causal: bool, scale: float) -> Tensor:
@@ -79,12 +80,12 @@ def _block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     return (ds @ k) * scale, (ds.mT @ q) * scale, p.mT @ dout
 
 
-def _merge(out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> tuple[Tensor, Tensor]:
+def _merge(out: Tensor, lse: Tensor, o: Tensor, lse_o: Tensor) -> tuple[Tensor, Tensor]:
     """Two partial softmax outputs with their log-sum-exps merged into one."""
-    new = torch.logaddexp(lse, l)
+    new = torch.logaddexp(lse, lse_o)
     keep = torch.isfinite(new).unsqueeze(-1)
     a = torch.where(keep, torch.exp(lse - new).unsqueeze(-1), 0.0)
-    b = torch.where(keep, torch.exp(l - new).unsqueeze(-1), 0.0)
+    b = torch.where(keep, torch.exp(lse_o - new).unsqueeze(-1), 0.0)
     return out * a + o * b, new
 
 
@@ -104,9 +105,9 @@ class _Ring(torch.autograd.Function):
                             if x.ndim == 4 else x.new_empty(x.shape[0], lengths[(source - 1) % size]) for x in block]
                 requests = shards.exchange(block, (rank + 1) % size, incoming, (rank - 1) % size)
             if not causal or source <= rank:
-                o, l = _block(q, block[0], block[1], block[2] if real is not None else None,
-                              causal and source == rank, scale)
-                out, lse = _merge(out, lse, o, l.to(lse.dtype))
+                o, lse_o = _block(q, block[0], block[1], block[2] if real is not None else None,
+                                  causal and source == rank, scale)
+                out, lse = _merge(out, lse, o, lse_o.to(lse.dtype))
             for r in requests:
                 r.wait()
             block = incoming or block
