@@ -1,8 +1,15 @@
 """subquad.distributed.attention on two processes against the single-process op on the whole
 sequence: this rank's rows of the output and of the gradients of q, k and v (float32, 1e-5),
-causal and not, with key padding, with shards of unequal length, and cross lengths."""
+causal and not, with key padding, with shards of unequal length, and cross lengths.
+
+These tests run under ``torchrun`` (``tests/test_distributed.py`` starts ``torchrun
+--nproc_per_node=2 -m pytest tests/distributed`` on gloo), where the fixture below joins the
+process group once per process; collected by a plain ``pytest``, they are skipped."""
 
 from __future__ import annotations
+
+import datetime
+import os
 
 import pytest
 import torch
@@ -10,6 +17,18 @@ import torch.distributed as dist
 
 import subquad
 import subquad.distributed as sqd
+
+pytestmark = pytest.mark.skipif("WORLD_SIZE" not in os.environ,
+                                reason="runs under torchrun (tests/test_distributed.py starts it)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    # a rank that fails between collectives leaves the others waiting: time out, never hang
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    yield
+    dist.destroy_process_group()
+
 
 B, H, D, DV = 2, 3, 8, 5
 TOL = {"rtol": 1e-5, "atol": 1e-5}
