@@ -295,6 +295,7 @@ def test_methods_lists_every_registered_method(capsys):
         row = next(line.split() for line in lines if line.split()[:1] == [m.name])
         assert row[1:3] == [m.kind, m.complexity]
         assert row[3] == ("yes" if m.causal else "-")
+        assert row[6] == ("yes" if m.context_parallel is not None else "-")
 
 
 def test_methods_name_prints_its_options(capsys):

@@ -40,13 +40,14 @@ def run_methods(args: argparse.Namespace) -> int:
     from .registry import get_method, list_methods
 
     if args.name is None:
-        rows = [("name", "kind", "cost", "causal", "cross", "padding")]
-        rows += [(m.name, m.kind, m.complexity, _yes(m.causal), _yes(m.cross_attention), _yes(m.key_padding))
-                 for m in list_methods()]
+        rows = [("name", "kind", "cost", "causal", "cross", "padding", "sharded")]
+        rows += [(m.name, m.kind, m.complexity, _yes(m.causal), _yes(m.cross_attention), _yes(m.key_padding),
+                  _yes(m.context_parallel is not None)) for m in list_methods()]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for row in rows:
             print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-        print("\nsubquad methods NAME: a method's options and defaults")
+        print("\nsharded: runs on a sequence split over processes (subquad.distributed.attention)")
+        print("subquad methods NAME: a method's options and defaults")
         return 0
     try:
         info = get_method(args.name)
