@@ -206,3 +206,25 @@ def test_hybrid_in_several_rounds(lengths, monkeypatch):
 
     monkeypatch.setattr(sharded, "ROUND_BLOCKS", 2)
     _check("hybrid", True, lengths, lengths, False, options=HYBRID)
+
+
+def test_hybrid_traffic_is_bounded_by_its_rounds():
+    """A round fetches at most ROUND_BLOCKS x (sinks + local + num_blocks) blocks per (item, head),
+    each block's keys and values, plus the wanted ids and the counts: the bytes a rank sends per
+    call stay under that, whatever the data; rank 0 (the owner of rank 1's past) sends blocks."""
+    import subquad.ops.hybrid.sharded as sharded
+
+    g = torch.Generator().manual_seed(5)
+    n = 24
+    q, k, v = (torch.randn(B, H, n, D, generator=g).requires_grad_() for _ in range(3))
+    with sqd.traffic() as forward:
+        out = sqd.attention(q, k, v, method="hybrid", causal=True, **HYBRID)
+    with sqd.traffic() as backward:
+        out.sum().backward()
+    past = HYBRID["sinks"] + HYBRID["local"] + HYBRID["num_blocks"]
+    blocks = B * H * sharded.ROUND_BLOCKS * past  # per round, at most
+    rounds = -(-(n // HYBRID["query_block"]) // sharded.ROUND_BLOCKS)
+    bound = rounds * (blocks * 2 * HYBRID["key_block"] * D * 4 + blocks * 2 * 8 + 2 * 8) + 2 * 8 + 2 * 8 * 8
+    assert 0 < forward["bytes"] <= bound and backward["bytes"] <= bound
+    if dist.get_rank() == 0:  # it served rank 1's sinks block at least, forward and backward (the gradients)
+        assert forward["bytes"] >= B * H * 2 * HYBRID["key_block"] * D * 4
