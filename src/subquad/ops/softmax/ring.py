@@ -161,6 +161,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | N
         real = real.to(torch.uint8)  # gloo sends no bool
     with compute_precision(q):
         k, v = drop_padded(k, key_padding_mask), drop_padded(v, key_padding_mask)  # no NaN of a padded key reaches out
-        qc, kc, vc = (F.pad(t.to(dtype), (0, E - t.shape[-1])).contiguous() for t in (q, k, v))
+        qc, kc, vc = (t.to(dtype).contiguous() if t.shape[-1] == E else F.pad(t.to(dtype), (0, E - t.shape[-1]))
+                      for t in (q, k, v))  # no copy when the head sizes agree
         out = _Ring.apply(qc, kc, vc, real, causal, scale, shards, lengths)
     return out[..., :Dv].to(q.dtype)
