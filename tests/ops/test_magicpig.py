@@ -8,6 +8,7 @@ import torch
 
 import subquad
 from conftest import qkv
+from test_topk import _mask  # the same padding pattern as the topk tests
 from subquad.ops.magicpig import collision_log_probability, draw_hyperplanes, magicpig_attention, simhash_codes
 from subquad.ops.magicpig.naive import magicpig_attention_reference
 from subquad.ops.softmax.naive import softmax_attention_reference
@@ -18,14 +19,6 @@ OPTIONS = [dict(min_matches=2, sinks=1, local=2), dict(min_matches=1, sinks=0, l
 
 def _planes(tables, bits, dim=8, seed=0):
     return draw_hyperplanes(tables, bits, dim, generator=torch.Generator().manual_seed(seed)).double()
-
-
-def _mask(B, M):
-    mask = torch.zeros(B, M, dtype=torch.bool)
-    mask[0, -4:] = True
-    if B > 1:
-        mask[1, 3:9] = True
-    return mask
 
 
 @pytest.mark.parametrize("causal", [False, True])
