@@ -29,3 +29,23 @@ def test_context_parallel_on_two_processes():
 def test_readme_example():
     out = _torchrun(str(ROOT / "examples" / "context_parallel.py"))
     assert "hybrid" in out and "linear" in out, out
+
+
+def test_train_with_context_parallel_equals_one_process(tmp_path):
+    """`subquad train mqar --context-parallel 2` under torchrun (each sequence split over the two
+    processes) ends with the parameters one process reaches on the same batches."""
+    import torch
+
+    args = ["train", "mqar", "--method", "linear", "-t", "seq_len=64", "-t", "num_pairs=4", "-t", "train_size=64",
+            "-t", "eval_size=16", "--steps", "4", "--batch-size", "8", "--eval-every", "2", "--threads", "1",
+            "--no-progress", "--no-tensorboard"]
+    out = _torchrun("-m", "subquad.train.cli", *args, "--context-parallel", "2", "--out", str(tmp_path / "cp"))
+    assert "each sequence split over 2 processes" in out, out
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "subquad.train.cli", *args, "--out", str(tmp_path / "one")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    cp, one = (torch.load(tmp_path / d / "model.pt", weights_only=False)["model"] for d in ("cp", "one"))
+    assert cp.keys() == one.keys()
+    for name in one:
+        torch.testing.assert_close(cp[name], one[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")

@@ -34,6 +34,12 @@ Which methods, and what they send per call (``R`` ranks, ``B`` batch, ``H`` head
     q, k, v = (torch.randn(1, 8, 65536, 64, generator=torch.Generator().manual_seed(i)) for i in range(3))
     q, k, v = (sqd.shard(t, dim=2) for t in (q, k, v))  # this rank's tokens
     out = sqd.attention(q, k, v, method="linear", causal=True)  # this rank's shard of the output
+
+A whole model runs on its shard of the sequence inside :func:`context_parallel`: its
+:class:`subquad.MultiheadAttention` layers call :func:`attention`, and the modules that know their
+place in the sequence (a module with a ``sequence_shards`` attribute: the encoder's positions and
+its short convolution, :class:`subquad.models.Encoder`) take theirs from the group. That is what
+``subquad train TASK --context-parallel N`` runs under ``torchrun``.
 """
 
 from __future__ import annotations
@@ -42,12 +48,12 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from .ops._sharded import TRAFFIC, Shards
 from .registry import get_method, list_methods, prepare_call
 
-__all__ = ["attention", "shard", "supported_methods", "traffic"]
+__all__ = ["attention", "context_parallel", "shard", "supported_methods", "traffic"]
 
 
 @contextlib.contextmanager
@@ -101,3 +107,39 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, method: str, causal: bool = Fa
         raise NotImplementedError(f"method {method!r} has no context-parallel form; supported: {supported_methods()}")
     scale, o = prepare_call(info, q, k, v, key_padding_mask, causal, scale, options)
     return info.context_parallel(q, k, v, key_padding_mask, causal, scale, o, Shards.of(group))
+
+
+@contextlib.contextmanager
+def context_parallel(module: nn.Module, group: Any = None) -> Iterator[nn.Module]:
+    """``with context_parallel(model, group):`` runs ``model`` on this rank's contiguous shard of
+    the sequence (rank order = sequence order, as :func:`shard` splits it), forward and backward.
+
+    Inside the block every submodule with a ``sequence_shards`` attribute gets the group's
+    :class:`~subquad.ops._sharded.Shards`: :class:`subquad.MultiheadAttention` then attends over
+    the whole sequence through :func:`attention` (its method must be one of
+    :func:`supported_methods`; no ``attn_mask``, weights, extra keys or attention dropout), and
+    :class:`subquad.models.Encoder` offsets its positions and hands its short convolution the last
+    tokens of the rank before. Every other module must work position by position (linear layers,
+    norms, pointwise activations), as a transformer's do. Before anything is set, each such
+    submodule's ``check_context_parallel()`` raises ValueError for what it cannot shard (an
+    encoder that pools the sequence, a method without a sharded form). Afterwards the modules
+    are as before: the same model runs on whole sequences again. Yields ``module``."""
+    shards = Shards.of(group)
+    parts = [m for m in module.modules() if hasattr(m, "sequence_shards")]
+    for m in parts:
+        if hasattr(m, "check_context_parallel"):
+            m.check_context_parallel()
+    before = [m.__dict__.get("sequence_shards", _UNSET) for m in parts]
+    for m in parts:
+        m.sequence_shards = shards
+    try:
+        yield module
+    finally:
+        for m, value in zip(parts, before):
+            if value is _UNSET:
+                del m.sequence_shards  # the class's None shows again
+            else:
+                m.sequence_shards = value
+
+
+_UNSET = object()

@@ -1,6 +1,8 @@
 """subquad.distributed.attention on two processes against the single-process op on the whole
 sequence: this rank's rows of the output and of the gradients of q, k and v (float32, 1e-5),
-causal and not, with key padding, with shards of unequal length, and cross lengths.
+causal and not, with key padding, with shards of unequal length, and cross lengths; and a whole
+encoder under ``subquad.distributed.context_parallel`` (positions, short convolution, attention)
+against the same encoder in one process, outputs and parameter gradients.
 
 These tests run under ``torchrun`` (``tests/test_distributed.py`` starts ``torchrun
 --nproc_per_node=2 -m pytest tests/distributed`` on gloo), where the fixture below joins the
@@ -17,6 +19,7 @@ import torch.distributed as dist
 
 import subquad
 import subquad.distributed as sqd
+from subquad.models import Encoder
 
 pytestmark = pytest.mark.skipif("WORLD_SIZE" not in os.environ,
                                 reason="runs under torchrun (tests/test_distributed.py starts it)")
@@ -228,3 +231,81 @@ def test_hybrid_traffic_is_bounded_by_its_rounds():
     assert 0 < forward["bytes"] <= bound and backward["bytes"] <= bound
     if dist.get_rank() == 0:  # it served rank 1's sinks block at least, forward and backward (the gradients)
         assert forward["bytes"] >= B * H * 2 * HYBRID["key_block"] * D * 4
+
+
+# --------------------------------------------------------------------------- a whole model
+
+MODEL_TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def _encoder(method: str, conv: int, **options) -> Encoder:
+    torch.manual_seed(0)  # the same weights on every rank
+    return Encoder(50, 7, method=method, method_options=options, dim=16, depth=2, heads=2, ffn_dim=32, max_len=64,
+                   dropout=0.0, head_hidden=0, pooling="none", conv_kernel_size=conv).eval()
+
+
+def _run(model: Encoder, lengths: list[int], padded: bool) -> None:
+    g = torch.Generator().manual_seed(1)
+    N = sum(lengths)
+    tokens = torch.randint(0, 50, (2, N), generator=g)
+    pad = None
+    if padded:  # item 1's last positions are padding
+        pad = torch.zeros(2, N, dtype=torch.bool)
+        pad[1, N - max(1, N // 3):] = True
+    w = torch.randn(2, N, 7, generator=g)
+    ref = model(tokens, pad)
+    (ref * w).sum().backward()
+    want = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    mine = lambda x: x.split(lengths, 1)[dist.get_rank()]  # noqa: E731
+    with sqd.context_parallel(model):
+        out = model(mine(tokens), None if pad is None else mine(pad))
+    (out * mine(w)).sum().backward()
+    torch.testing.assert_close(out, mine(ref.detach()), **TOL)
+    for name, p in model.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        torch.testing.assert_close(grad, want[name], **MODEL_TOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("method,options", [("linear", {}), ("softmax", {}), ("efficient", {}),
+                                            ("performer", {"num_features": 8}), ("hedgehog", {}), ("none", {})])
+@pytest.mark.parametrize("padded", [False, True])
+def test_encoder_equals_the_whole_sequence(method, options, padded):
+    _run(_encoder(method, 3, **options), [7, 6], padded)
+
+
+@pytest.mark.parametrize("lengths,conv", [([2, 1], 3), ([2, 2], 4), ([1, 5], 4), ([9, 9], 1)])
+def test_short_convolution_across_the_boundary(lengths, conv):
+    """Shards shorter than the convolution's reach: the tokens before come from the ranks before
+    (zeros before the sequence), as in one process."""
+    _run(_encoder("linear", conv), lengths, padded=False)
+
+
+def test_the_model_runs_whole_again_after_the_block():
+    model = _encoder("linear", 3)
+    tokens = torch.randint(0, 50, (1, 10))
+    before = model(tokens)
+    with sqd.context_parallel(model):
+        model(tokens.split([5, 5], 1)[dist.get_rank()])
+    assert all(m.sequence_shards is None for m in model.modules() if hasattr(m, "sequence_shards"))
+    torch.testing.assert_close(model(tokens), before)
+
+
+def test_what_cannot_be_sharded_is_refused():
+    pooled = Encoder(50, 7, method="linear", dim=16, heads=2, pooling="mean")
+    with pytest.raises(ValueError, match="pooling='none'"):
+        with sqd.context_parallel(pooled):
+            pass
+    with pytest.raises(ValueError, match="no context-parallel form"):
+        with sqd.context_parallel(_encoder("nystrom", 0)):
+            pass
+    model = _encoder("softmax", 0)
+    with pytest.raises(ValueError, match="exceeds max_len"):
+        with sqd.context_parallel(model):
+            model(torch.zeros(1, 40, dtype=torch.long))  # 80 positions on two ranks
+    attn = model.blocks[0].mixer.attention
+    x = torch.randn(1, 4, 16)
+    with pytest.raises(ValueError, match="no attn_mask"):
+        with sqd.context_parallel(attn):
+            attn(x, x, x, attn_mask=torch.zeros(4, 4, dtype=torch.bool), need_weights=False)

@@ -539,7 +539,12 @@ def test_eval_samples_limits_the_final_test(data_dir, tmp_path):
     (dict(amp="bf16", dtype="float64"), ValueError, "amp needs dtype='float32'"),
     (dict(dim=10, heads=3), ValueError, "divisible by heads"),
     (dict(task="nope"), ValueError, "unknown task 'nope'"),
+    (dict(context_parallel=0), ValueError, "train: context_parallel must be >= 1"),
+    (dict(context_parallel=2), ValueError, "labels per position; task 'listops' has labels per sequence"),
+    (dict(context_parallel=2, task="mqar", pooling="none", method="nystrom"), ValueError,
+     "method 'nystrom' has no context-parallel form"),
+    (dict(context_parallel=2, task="digit_scenes", pooling="none"), ValueError, "task 'digit_scenes' has images"),
 ])
 def test_config_errors_name_the_field(field, error, match):
     with pytest.raises(error, match=match):
-        TrainConfig(method="linear", **field).validate()
+        TrainConfig(**{"method": "linear", **field}).validate()

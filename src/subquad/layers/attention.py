@@ -189,6 +189,9 @@ class MultiheadAttention(nn.Module):
     (whose eval fast path hands over nested tensors).
     """
 
+    #: set inside :func:`subquad.distributed.context_parallel`: this rank's place in the sequence
+    sequence_shards = None
+
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: int | None = None,
                  vdim: int | None = None, batch_first: bool = False, device=None, dtype=None, *,
@@ -346,7 +349,9 @@ class MultiheadAttention(nn.Module):
         k = k.unflatten(-1, (H, hd)).transpose(1, 2)
         v = v.unflatten(-1, (H, hd)).transpose(1, 2)
         extra_k, extra_v = self._extra_keys(B, k)
-        if exact:
+        if self.sequence_shards is not None:
+            out, weights = self._sharded(q, k, v, extra_k, key_padding_mask, attn_mask, is_causal, need_weights), None
+        elif exact:
             out, weights = self.core.forward_masked(q, k, v, extra_k, extra_v, key_padding_mask, attn_mask,
                                                     is_causal, need_weights)
             if weights is not None and average_attn_weights:
@@ -362,6 +367,29 @@ class MultiheadAttention(nn.Module):
         elif not batch_first:
             out = out.transpose(0, 1)
         return out, weights
+
+    def check_context_parallel(self) -> None:
+        """ValueError when this layer cannot run on a shard of the sequence
+        (:func:`subquad.distributed.context_parallel`): its method has no sharded form, or it has
+        attention dropout."""
+        from ..distributed import supported_methods
+
+        if self.core.method.context_parallel is None:
+            raise ValueError(f"method {self.method!r} has no context-parallel form; supported: {supported_methods()}")
+        if self.dropout:
+            raise ValueError(f"context parallelism runs without attention dropout (this layer has {self.dropout})")
+
+    def _sharded(self, q, k, v, extra_k, key_padding_mask, attn_mask, causal, need_weights) -> Tensor:
+        """Attention of this rank's q, k, v over the whole sequence of the ranks in
+        ``sequence_shards`` (:func:`subquad.distributed.attention`)."""
+        from ..distributed import attention
+
+        if attn_mask is not None or extra_k is not None or need_weights:
+            raise ValueError("under context parallelism a layer takes is_causal and key_padding_mask only: "
+                             "no attn_mask, add_bias_kv / add_zero_attn or need_weights=True")
+        pad = _as_padding_mask(key_padding_mask, k.shape[0], k.shape[2])
+        return attention(q, k, v, method=self.method, causal=causal, key_padding_mask=pad,
+                         group=self.sequence_shards.group, **self.core.op_options())
 
     # torch's TransformerEncoderLayer fast path (taken for method="softmax" in eval under no_grad)
     # calls self_attn.merge_masks; the combination only needs num_heads, so torch's method serves

@@ -130,6 +130,10 @@ class ShortConv(nn.Module):
     filter of Zoology's BaseConv, Arora et al. 2023, and H3's shift SSM). Padded positions are
     zeroed first. ``forward(x (B, N, C), key_padding_mask (B, N) | None)``."""
 
+    #: set inside :func:`subquad.distributed.context_parallel`: ``x`` is this rank's shard of the
+    #: sequence, and the tokens before it come from the ranks before
+    sequence_shards = None
+
     def __init__(self, dim: int, kernel_size: int, device=None, dtype=None):
         super().__init__()
         self.conv = nn.Conv1d(dim, dim, kernel_size, groups=dim, padding=kernel_size - 1, device=device, dtype=dtype)
@@ -137,7 +141,28 @@ class ShortConv(nn.Module):
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         if key_padding_mask is not None:
             x = x.masked_fill(key_padding_mask[..., None], 0.0)
+        if self.sequence_shards is not None:
+            return self._sharded(x)
         return self.conv(x.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)
+
+    def _sharded(self, x: Tensor) -> Tensor:
+        """The convolution of this rank's shard, its first outputs reading the last ``k - 1``
+        tokens of the ranks before (zeros before the sequence): every rank's last ``k - 1``
+        tokens are all-gathered (with their gradients returned in backward)."""
+        shards, h = self.sequence_shards, self.conv.kernel_size[0] - 1
+        if not h:
+            return self.conv(x.transpose(1, 2)).transpose(1, 2)
+        lengths = [n for n, in shards.gather_ints([x.shape[1]], x.device)]
+        tail = F.pad(x[:, -h:], (0, 0, h - min(h, x.shape[1]), 0))  # (B, h, C), zeros before a short shard
+        tails = shards.gather(tail)  # (R, B, h, C)
+        # every rank's real tail tokens in sequence order after h zeros; this rank's halo ends where
+        # its own tokens start (built from all of them on every rank, so every rank's backward
+        # reaches the gather's all-reduce)
+        real = [tails[r, :, h - min(h, n):] for r, n in enumerate(lengths)]
+        end = h + sum(min(h, n) for n in lengths[:shards.rank])
+        halo = torch.cat([x.new_zeros(x.shape[0], h, x.shape[2]), *real], 1)[:, end - h: end]
+        y = torch.cat([halo, x], 1).transpose(1, 2)
+        return F.conv1d(y, self.conv.weight, self.conv.bias, groups=self.conv.groups).transpose(1, 2)
 
 
 class EncoderBlock(nn.Module):
@@ -264,6 +289,35 @@ class Encoder(nn.Module):
         else:
             self.head = nn.Linear(dim, num_classes, **factory)
 
+    #: set inside :func:`subquad.distributed.context_parallel`: ``tokens`` are this rank's shard of
+    #: the sequence (positions offset by the ranks before)
+    sequence_shards = None
+
+    def check_context_parallel(self) -> None:
+        """ValueError unless this encoder can run on shards of the sequence: labels per position
+        (``pooling="none"``; a summary of the whole sequence is not sharded) and a method with a
+        context-parallel form (or no mixing)."""
+        from ..distributed import supported_methods
+
+        if self.pooling != "none":
+            raise ValueError(f"context parallelism needs an encoder with outputs per position (pooling='none'), "
+                             f"not pooling={self.pooling!r}")
+        if self.method != NO_MIXING and self.method not in supported_methods():
+            raise ValueError(f"method {self.method!r} has no context-parallel form; supported: "
+                             f"{supported_methods()} (or {NO_MIXING!r})")
+
+    def _first_position(self, n: int, device) -> int:
+        """The position of this shard's first token (0 on one process); ValueError when the whole
+        sequence is longer than ``max_len``."""
+        if self.sequence_shards is None:
+            total, first = n, 0
+        else:
+            lengths = [m for m, in self.sequence_shards.gather_ints([n], device)]
+            total, first = sum(lengths), sum(lengths[:self.sequence_shards.rank])
+        if total > self.max_len:
+            raise ValueError(f"sequence length {total} exceeds max_len={self.max_len}")
+        return first
+
     def encode(self, tokens: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         """Token states ``(B, N, dim)`` after the final LayerNorm (padded rows are meaningless);
         ``(B, 1 + N, dim)`` with the summary token first when ``pooling="cls"``."""
@@ -272,9 +326,7 @@ class Encoder(nn.Module):
             what = (f"{tokens.dtype} {tuple(tokens.shape)}" if isinstance(tokens, Tensor)
                     else type(tokens).__name__)
             raise ValueError(f"tokens must be an integer tensor (B, N), got {what}")
-        n = tokens.shape[1]
-        if n > self.max_len:
-            raise ValueError(f"sequence length {n} exceeds max_len={self.max_len}")
+        first = self._first_position(tokens.shape[1], tokens.device)
         if key_padding_mask is not None:
             if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
                 raise TypeError("key_padding_mask must be a bool tensor (True = padding)")
@@ -286,7 +338,7 @@ class Encoder(nn.Module):
             x = torch.cat([self.cls_token.expand(x.shape[0], 1, -1).to(x.dtype), x], dim=1)
             if key_padding_mask is not None:
                 key_padding_mask = F.pad(key_padding_mask, (1, 0), value=False)
-        x = x + self.position_embedding[:x.shape[1]]
+        x = x + self.position_embedding[first: first + x.shape[1]]
         x = self.embed_dropout(x)
         for block in self.blocks:
             x = block(x, key_padding_mask)

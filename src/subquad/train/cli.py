@@ -296,6 +296,10 @@ def _add_run_arguments(r, preset: str) -> None:
                    help="initial weights from another run's model file (best.pt, model.pt or checkpoint.pt) "
                         "with the same architecture, e.g. one trained on shorter inputs; optimiser and "
                         "schedule start afresh; ignored when --resume finds a checkpoint")
+    r.add_argument("--context-parallel", type=int, default=1, metavar="N",
+                   help="under torchrun: N processes split each sequence (context parallelism; the rest of the "
+                        "processes are data parallel); tasks with labels per position, methods of "
+                        "`subquad methods` with a sharded form (default: %(default)s)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar (the log and evaluation lines stay)")
     r.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
                    help="TensorBoard logs (default: when installed)")
@@ -334,7 +338,7 @@ def config_from_args(args: argparse.Namespace):
         threads=args.threads,
         device=args.device, amp=args.amp, dtype=args.dtype, resume=args.resume, max_minutes=args.max_minutes,
         progress=False if args.no_progress else None, tensorboard=args.tensorboard, init_from=args.init_from,
-        **overrides)
+        context_parallel=args.context_parallel, **overrides)
 
 
 def run_train(args: argparse.Namespace) -> int:

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..checks import check_choice, check_float, check_int
-from ..models.encoder import check_method
+from ..distributed import supported_methods
+from ..models.encoder import NO_MIXING, check_method
 from ..tasks import make_task
 
 __all__ = ["TrainConfig", "PRESETS", "SCHEDULES", "BATCHINGS", "TRAJECTORY_FIELDS", "LEGACY_FIELDS", "pad_multiple",
@@ -69,9 +70,10 @@ TRAJECTORY_FIELDS = ("task", "task_options", "method", "method_options", "layers
                      "positions", "pooling", "conv_kernel_size",
                      "dropout", "attention_dropout", "head_hidden", "batch_size", "lr", "warmup_steps",
                      "schedule", "steps", "weight_decay", "betas", "eps", "grad_clip", "pad_to", "seed",
-                     "amp", "dtype", "batching", "bucket_pool")
+                     "amp", "dtype", "batching", "bucket_pool", "context_parallel")
 # Values of trajectory fields that checkpoints written before the field existed were run with.
-LEGACY_FIELDS = {"batching": "pad", "bucket_pool": 64, "pooling": "mean", "task_options": {}, "conv_kernel_size": 0}
+LEGACY_FIELDS = {"batching": "pad", "bucket_pool": 64, "pooling": "mean", "task_options": {}, "conv_kernel_size": 0,
+                 "context_parallel": 1}
 
 
 @dataclass
@@ -100,6 +102,11 @@ class TrainConfig:
     model must have exactly this run's parameter names and shapes). Optimiser, schedule and data
     order start afresh. Used only when the run starts: a resumed run continues from its own
     checkpoint.
+
+    ``context_parallel``: under ``torchrun``, how many processes split each sequence between
+    them (:func:`subquad.distributed.context_parallel`; an encoder task with labels per position,
+    and a method of :func:`subquad.distributed.supported_methods`); the other factor of the
+    process count is data parallelism, over which ``batch_size`` is split.
     """
 
     method: str = "softmax"
@@ -145,6 +152,7 @@ class TrainConfig:
     progress: bool | None = None
     tensorboard: bool | None = None
     init_from: str | None = None
+    context_parallel: int = 1
 
     @classmethod
     def from_preset(cls, preset: str = "nystromformer", **overrides: Any) -> "TrainConfig":
@@ -169,7 +177,7 @@ class TrainConfig:
         if not isinstance(self.method_options, dict):
             raise TypeError(f"method_options must be a dict, got {type(self.method_options).__name__}")
         for name in ("layers", "dim", "heads", "ffn_dim", "batch_size", "steps", "pad_to", "eval_every",
-                     "checkpoint_every", "log_every", "bucket_pool"):
+                     "checkpoint_every", "log_every", "bucket_pool", "context_parallel"):
             check_int("train", name, getattr(self, name), minimum=1)
         for name in ("warmup_steps", "seed", "head_hidden", "conv_kernel_size"):
             check_int("train", name, getattr(self, name), minimum=0)
@@ -208,6 +216,13 @@ class TrainConfig:
             want = "'none'" if task.per_token else "'mean' or 'cls'"
             raise ValueError(f"task {self.task!r} has labels per {'position' if task.per_token else 'sequence'}: "
                              f"pooling must be {want}, got {self.pooling!r}")
+        if self.context_parallel > 1:
+            if task.model != "encoder" or not task.per_token:
+                raise ValueError(f"context parallelism splits token sequences with labels per position; task "
+                                 f"{self.task!r} has {'images' if task.model != 'encoder' else 'labels per sequence'}")
+            if self.method not in (*supported_methods(), NO_MIXING):
+                raise ValueError(f"method {self.method!r} has no context-parallel form; supported: "
+                                 f"{supported_methods()}")
         if task.max_length is not None and task.max_length > self.pad_to:
             raise ValueError(f"task {self.task!r} has samples of {task.max_length} tokens, longer than pad_to="
                              f"{self.pad_to}")

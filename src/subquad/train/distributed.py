@@ -29,6 +29,23 @@ class DistributedContext:
     device: torch.device = torch.device("cpu")
     backend: str | None = None
     owns_group: bool = False
+    context_parallel: int = 1
+    sequence_group: Any = None  # the processes that share one sequence (context_parallel > 1)
+
+    @property
+    def data_rank(self) -> int:
+        """This process's data-parallel replica: the processes of one sequence group share it."""
+        return self.rank // self.context_parallel
+
+    @property
+    def data_size(self) -> int:
+        """How many data-parallel replicas the run has (each reads its own samples)."""
+        return self.world_size // self.context_parallel
+
+    @property
+    def sequence_rank(self) -> int:
+        """Which shard of each sequence this process holds (0 without context parallelism)."""
+        return self.rank % self.context_parallel
 
     @property
     def distributed(self) -> bool:
@@ -90,11 +107,15 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name} must be an int, got {value!r}") from None
 
 
-def setup(device: str = "auto") -> DistributedContext:
+def setup(device: str = "auto", context_parallel: int = 1) -> DistributedContext:
     """Create the context (and the process group under ``torchrun``).
 
     ``device``: ``"auto"`` (CUDA when available, else CPU), ``"cpu"`` or ``"cuda"``. With
     several processes on CUDA, process ``LOCAL_RANK`` uses ``cuda:LOCAL_RANK``.
+    ``context_parallel``: processes that split each sequence between them (consecutive ranks,
+    :mod:`subquad.distributed`); the world size must be a multiple of it, and the groups of
+    ``world_size / context_parallel`` replicas train by data parallelism. Each sequence group gets
+    a process group of its own, so its collectives never queue behind DDP's gradient all-reduce.
     """
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
@@ -120,4 +141,19 @@ def setup(device: str = "auto") -> DistributedContext:
             ctx.owns_group = True
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise RuntimeError("the process group does not match RANK / WORLD_SIZE in the environment")
+    if context_parallel > 1:
+        _sequence_groups(ctx, context_parallel)
     return ctx
+
+
+def _sequence_groups(ctx: DistributedContext, size: int) -> None:
+    """One process group per ``size`` consecutive ranks (every rank creates every group, in order)."""
+    if ctx.world_size % size:
+        ctx.cleanup()
+        raise ValueError(f"context parallelism over {size} processes needs a multiple of {size} processes "
+                         f"(torchrun --nproc_per_node), this run has {ctx.world_size}")
+    ctx.context_parallel = size
+    for first in range(0, ctx.world_size, size):
+        group = dist.new_group(list(range(first, first + size)))
+        if first <= ctx.rank < first + size:
+            ctx.sequence_group = group

@@ -16,11 +16,17 @@ ends with the same parameters as one that never stopped (same device, threads an
 
 Under ``torchrun --nproc_per_node=N`` the same call trains with DistributedDataParallel:
 ``batch_size`` is the global batch, split evenly over the processes; each process reads its
-shard of every batch (:class:`ShardedBatchSampler`); only rank 0 writes files.
+shard of every batch (:class:`ShardedBatchSampler`); only rank 0 writes files. With
+``context_parallel=C`` each group of C consecutive processes reads the same samples and holds one
+contiguous part of every sequence (:func:`subquad.distributed.context_parallel`); the batch is
+split over the ``N / C`` groups. The loss is the mean over every labelled position of the global
+batch either way, so one process, data parallelism and context parallelism train the same model
+(up to rounding, without dropout).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -36,6 +42,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ..distributed import context_parallel, shard
 from ..tasks import IGNORE, TaskData, make_task
 from . import checkpoint as ckpt
 from .config import TrainConfig, check_resume, lr_factor, pad_multiple, warmup_for
@@ -77,20 +84,19 @@ def _evaluate(model: torch.nn.Module, data, indices: np.ndarray, batch_size: int
     task = make_task(cfg.task, cfg.task_options)
     was_training = model.training
     model.eval()
-    shard = indices[ctx.rank::ctx.world_size]
+    mine = indices[ctx.data_rank::ctx.data_size]
     loss_sum = correct = count = 0.0
     counts = _empty_counts(task)
     devices = [ctx.device.index] if ctx.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(cfg.seed + 12345)
-        batches = eval_batches(data, shard, batch_size, cfg)
+        batches = eval_batches(data, mine, batch_size, cfg)
         if progress:
             from tqdm.auto import tqdm
-            batches = tqdm(batches, total=-(-len(shard) // batch_size), unit="batch", file=sys.stderr)
-        for tokens, pad, labels in batches:
-            tokens, pad, labels = tokens.to(ctx.device), pad.to(ctx.device), labels.to(ctx.device)
+            batches = tqdm(batches, total=-(-len(mine) // batch_size), unit="batch", file=sys.stderr)
+        for batch in batches:
             with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16"):
-                logits, labels = _forward(model, tokens, pad, labels)
+                logits, labels = _forward(model, *_on_device(batch, ctx), ctx)
             loss, right, labelled = loss_and_correct(logits, labels)
             loss_sum += loss.item()
             correct += right.item()
@@ -111,13 +117,23 @@ def _empty_counts(task) -> torch.Tensor | None:
     return task.score_counts(torch.zeros(0, task.num_classes), torch.zeros(0, dtype=torch.int64))
 
 
-def _forward(model: torch.nn.Module, tokens: torch.Tensor, pad: torch.Tensor, labels: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def _on_device(batch, ctx: DistributedContext) -> tuple[torch.Tensor, ...]:
+    """A batch's tensors on this process's device; with context parallelism, its part of each
+    sequence (``tensor_split`` along the positions, in the sequence group's rank order)."""
+    batch = tuple(t.to(ctx.device) for t in batch)
+    if ctx.sequence_group is None:
+        return batch
+    return tuple(shard(t, 1, ctx.sequence_group) for t in batch)
+
+
+def _forward(model: torch.nn.Module, tokens: torch.Tensor, pad: torch.Tensor, labels: torch.Tensor,
+             ctx: DistributedContext) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits and their labels: per sequence, or (labels per position) at the labelled positions only."""
-    if labels.dim() == 1:
-        return model(tokens, pad), labels
-    select = labels != IGNORE
-    return model(tokens, pad, select), labels[select]
+    with (contextlib.nullcontext() if ctx.sequence_group is None else context_parallel(model, ctx.sequence_group)):
+        if labels.dim() == 1:
+            return model(tokens, pad), labels
+        select = labels != IGNORE
+        return model(tokens, pad, select), labels[select]
 
 
 def _atomic_json(path: Path, obj: Any) -> None:
@@ -164,7 +180,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     cfg.validate()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    ctx = setup(cfg.device)
+    ctx = setup(cfg.device, cfg.context_parallel)
     try:
         results = _train(cfg, ctx)
     except BaseException:
@@ -179,9 +195,9 @@ def _train(cfg: TrainConfig, ctx: DistributedContext) -> dict[str, Any]:
     the loop of :meth:`_Run.train_step` with :meth:`_Run.validate` and :meth:`_Run.save_checkpoint`,
     then :meth:`_Run.finish` (test, model.pt, results.json) or :meth:`_Run.stop` (out of time)."""
     out_dir = Path(cfg.out_dir)
-    if cfg.batch_size % ctx.world_size:
-        raise ValueError(f"batch_size ({cfg.batch_size}) must be divisible by the number of processes "
-                         f"({ctx.world_size})")
+    if cfg.batch_size % ctx.data_size:
+        raise ValueError(f"batch_size ({cfg.batch_size}) must be divisible by the number of data-parallel "
+                         f"processes ({ctx.data_size})")
     if not (out_dir / CHECKPOINT).is_file() and (out_dir / RESULTS).is_file():
         return _finished_run(cfg, ctx, out_dir)
     run = _Run(cfg, ctx, _read_checkpoint(cfg, ctx, out_dir / CHECKPOINT))
@@ -221,7 +237,7 @@ class _Run:
         self.cfg, self.ctx = cfg, ctx
         self.out_dir = Path(cfg.out_dir)
         self.ckpt_path = self.out_dir / CHECKPOINT
-        self.local_batch = cfg.batch_size // ctx.world_size
+        self.local_batch = cfg.batch_size // ctx.data_size
         self.say = print if ctx.is_main else (lambda *a, **k: None)
         self.task = make_task(cfg.task, cfg.task_options)
         self.data: TaskData = self.task.load(cfg.data_dir, cfg.eval_samples)
@@ -285,11 +301,12 @@ class _Run:
         cfg, ctx = self.cfg, self.ctx
         lengths = self.data.train.lengths()
         if cfg.batching == "bucket":
-            self.sampler = BucketBatchSampler(lengths, self.local_batch, world_size=ctx.world_size, rank=ctx.rank,
-                                              seed=cfg.seed, pool_batches=cfg.bucket_pool, cap=cfg.pad_to)
+            self.sampler = BucketBatchSampler(lengths, self.local_batch, world_size=ctx.data_size,
+                                              rank=ctx.data_rank, seed=cfg.seed, pool_batches=cfg.bucket_pool,
+                                              cap=cfg.pad_to)
         else:
-            self.sampler = ShardedBatchSampler(len(lengths), self.local_batch, world_size=ctx.world_size,
-                                               rank=ctx.rank, seed=cfg.seed)
+            self.sampler = ShardedBatchSampler(len(lengths), self.local_batch, world_size=ctx.data_size,
+                                               rank=ctx.data_rank, seed=cfg.seed)
         self.multiple = pad_multiple(cfg)
 
     def _resume(self, state: dict[str, Any]) -> None:
@@ -319,7 +336,9 @@ class _Run:
                  + f", {cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, ffn {cfg.ffn_dim}, "
                  f"{n_params} parameters; attention dropout {self.attn_dropout}; "
                  f"{ctx.world_size} process(es) on {ctx.device}, batch {cfg.batch_size} "
-                 f"({self.local_batch} per process)", flush=True)
+                 f"({self.local_batch} per process)" + (f"; each sequence split over {ctx.context_parallel} "
+                                                        "processes" if ctx.sequence_group is not None else ""),
+                 flush=True)
 
     def elapsed(self) -> float:
         return self.elapsed_before + time.perf_counter() - self.t_start
@@ -336,10 +355,10 @@ class _Run:
         """One optimizer update, its metrics, and a ``train`` row every ``log_every`` steps."""
         cfg, ctx = self.cfg, self.ctx
         t0 = time.perf_counter()
-        tokens, pad, labels = self.data.train.batch(next(self.sampler), cfg.pad_to, self.multiple)
-        tokens, pad, labels = tokens.to(ctx.device), pad.to(ctx.device), labels.to(ctx.device)
+        batch = self.data.train.batch(next(self.sampler), cfg.pad_to, self.multiple)
+        tokens, pad, labels = _on_device(batch, ctx)
         with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16"):
-            logits, labels = _forward(self.net, tokens, pad, labels)
+            logits, labels = _forward(self.net, tokens, pad, labels, ctx)
         loss_sum, correct, labelled = loss_and_correct(logits, labels)
         # the mean over every process's labels: DDP averages the gradients of the processes' losses,
         # so each divides its sum by the global count / world size (labels per position vary by shard)
@@ -359,12 +378,12 @@ class _Run:
         w["loss"] += loss_sum.item()
         w["correct"] += correct.item()
         w["labels"] += labelled.item()
-        w["samples"] += len(tokens)
+        w["samples"] += len(tokens) if ctx.sequence_rank == 0 else 0  # a sequence group's samples once
         w["tokens"] += (~pad).sum().item()
         w["seconds"] += time.perf_counter() - t0
         rate = w["samples"] / max(w["seconds"], 1e-9)
         info = {"loss": f"{w['loss'] / max(w['labels'], 1):.4f}", "lr": f"{lr:.2e}",
-                "samples/s": f"{rate * ctx.world_size:.1f}"}
+                "samples/s": f"{rate * ctx.data_size:.1f}"}
         log_now = self.step % cfg.log_every == 0 or self.step == cfg.steps
         self.progress.update(self.step, info, plain=log_now)
         if log_now:
@@ -476,6 +495,7 @@ class _Run:
             "parameters": sum(p.numel() for p in self.model.parameters()),
             "attention_dropout_applied": self.attn_dropout, "train_seconds": round(train_seconds, 1),
             "wall_seconds": round(self.elapsed(), 1), "world_size": self.ctx.world_size,
+            "context_parallel": self.ctx.context_parallel,
             "device": str(self.ctx.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "config": cfg.to_dict(), "command": shlex.join(sys.argv),
         }
