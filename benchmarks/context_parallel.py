@@ -7,6 +7,8 @@ collectives per call (subquad.distributed.traffic; the most of any process).
     python benchmarks/context_parallel.py --out benchmarks/results/context_parallel
     python benchmarks/context_parallel.py --fit-mib 2048 --methods linear hybrid --n 32768 --out ...
     (the largest N under a memory limit)
+    python benchmarks/context_parallel.py --methods softmax --layouts contiguous zigzag --out ...
+    (ring attention's causal work balanced by the zig-zag layout)
 
 Each measurement is a fresh process (or pair of processes), so one's memory peak cannot hide
 another's; the single and the sharded runs of a method alternate. B = 1, H = 8, D = 64, float32.
@@ -60,8 +62,10 @@ def worker(args) -> None:
     options = json.loads(args.options)
     op = sqd.attention if sharded else subquad.attention
 
+    layout = {"layout": args.layout} if sharded else {}
+
     def call():
-        return op(q, k, v, method=args.method, causal=True, **options)
+        return op(q, k, v, method=args.method, causal=True, **layout, **options)
 
     def sync():
         if sharded:
@@ -99,9 +103,9 @@ def worker(args) -> None:
         print("RESULT " + json.dumps(rows), flush=True)
 
 
-def _run(method: str, n: int, sharded: bool, options: dict, reps: int) -> dict:
+def _run(method: str, n: int, sharded: bool, options: dict, reps: int, layout: str = "contiguous") -> dict:
     script = [str(Path(__file__).resolve()), "worker", "--method", method, "--length", str(n), "--reps", str(reps),
-              "--options", json.dumps(options)]
+              "--options", json.dumps(options), "--layout", layout]
     if sharded:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *script,
                "--threads", "1"]
@@ -144,9 +148,12 @@ def main(argv=None) -> None:
     w.add_argument("--threads", type=int, required=True)
     w.add_argument("--reps", type=int, default=3)
     w.add_argument("--options", default="{}")
+    w.add_argument("--layout", default="contiguous")
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_N))
     p.add_argument("--n", type=int, nargs="+", help="sequence lengths (default: 131072; softmax 32768)")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--layouts", nargs="+", default=["contiguous"], choices=("contiguous", "zigzag"),
+                   help="the sharded runs' layouts (subquad.distributed.shard); default: contiguous")
     p.add_argument("--fit-mib", type=int, help="instead: the largest N (doubling from 65536) whose peak fits")
     p.add_argument("--out", type=Path)
     p.add_argument("--name", help="file name of the results (default: context_parallel, or fit with --fit-mib)")
@@ -164,9 +171,11 @@ def main(argv=None) -> None:
                 continue
             single = _run(method, n, False, {}, args.reps)
             rows.append({"method": method, "n": n, "config": "1 x 2", **single})
-            rows.append({"method": method, "n": n, "config": "2 x 1", **_run(method, n, True, {}, args.reps),
-                         "single_peak_mib": single.get("peak_mib")})
-            print(_table(rows[-2:]), flush=True)
+            for layout in args.layouts:
+                config = "2 x 1" + ("" if layout == "contiguous" else f", {layout}")
+                rows.append({"method": method, "n": n, "config": config,
+                             **_run(method, n, True, {}, args.reps, layout), "single_peak_mib": single.get("peak_mib")})
+            print(_table(rows[-1 - len(args.layouts):]), flush=True)
     name = args.name or ("fit" if args.fit_mib else "context_parallel")
     (args.out / f"{name}.json").write_text(json.dumps(rows, indent=1))
     cmd = "python benchmarks/context_parallel.py " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -15,6 +15,9 @@ Which methods, and what they send per call (``R`` ranks, ``B`` batch, ``H`` head
   (batch, head), the same size in backward; nothing that grows with N;
 - ``softmax``: ring attention (:mod:`subquad.ops.softmax.ring`): the key and value shards go
   around the ring, ``(R - 1)`` shard sends forward and ``R`` with their gradients in backward.
+  Causal, the contiguous layout gives the last rank ``R`` times the first's work;
+  ``layout="zigzag"`` (:func:`shard` cuts the sequence into ``2 R`` parts, rank ``r`` holding
+  parts ``r`` and ``2 R - 1 - r``) gives every rank the same.
 - ``hybrid`` (causal, ``score="mean"``, no key padding; every shard but the last whole query
   blocks, the first past the dense prefix): one all-gather of the block means, then each rank
   fetches, point to point, only the key blocks its query blocks selected on earlier ranks (each
@@ -74,17 +77,19 @@ def supported_methods() -> list[str]:
     return [m.name for m in list_methods() if m.context_parallel is not None]
 
 
-def shard(x: Tensor, dim: int = 2, group: Any = None) -> Tensor:
-    """This rank's contiguous shard of ``x`` along ``dim`` (the sequence axis: 2 for q, k, v
-    ``(B, H, N, D)``, 1 for a mask ``(B, N)``): ``torch.tensor_split`` into as many parts as the
-    group has ranks, so the first ``N % R`` ranks hold one token more."""
-    shards = Shards.of(group)
-    return x.tensor_split(shards.size, dim)[shards.rank]
+def shard(x: Tensor, dim: int = 2, group: Any = None, layout: str = "contiguous") -> Tensor:
+    """This rank's shard of the whole ``x`` along ``dim`` (the sequence axis: 2 for q, k, v
+    ``(B, H, N, D)``, 1 for a mask ``(B, N)``). ``layout="contiguous"``: ``torch.tensor_split``
+    into as many parts as the group has ranks (the first ``N % R`` ranks hold one token more);
+    ``"zigzag"``: into ``2 R`` parts, rank ``r`` holding parts ``r`` and ``2 R - 1 - r`` in that
+    order (what balances causal ring attention; pass the same ``layout`` to :func:`attention`,
+    whose output rows come in the same order)."""
+    return Shards.of(group, layout).split(x, dim)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, method: str, causal: bool = False,
               key_padding_mask: Tensor | None = None, scale: float | None = None, group: Any = None,
-              **options: Any) -> Tensor:
+              layout: str = "contiguous", **options: Any) -> Tensor:
     """Attention by ``method`` over the sequence whose shards the ranks of ``group`` hold.
 
     Args:
@@ -96,6 +101,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, method: str, causal: bool = Fa
         key_padding_mask: bool ``(B, m)``, True marks this rank's padded keys.
         scale: the logit scale, default ``D ** -0.5``.
         group: the process group (None: the default group).
+        layout: which positions each rank holds, as :func:`shard` cuts them: ``"contiguous"``, or
+            ``"zigzag"`` (causal: ``softmax`` only, where it balances the ring's work; without a
+            causal mask every method takes it, a rank's rows being its queries in any order).
         **options: the method's options, as for :func:`subquad.attention`.
 
     Returns:
@@ -106,7 +114,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, method: str, causal: bool = Fa
     if info.context_parallel is None:
         raise NotImplementedError(f"method {method!r} has no context-parallel form; supported: {supported_methods()}")
     scale, o = prepare_call(info, q, k, v, key_padding_mask, causal, scale, options)
-    return info.context_parallel(q, k, v, key_padding_mask, causal, scale, o, Shards.of(group))
+    return info.context_parallel(q, k, v, key_padding_mask, causal, scale, o, Shards.of(group, layout))
 
 
 @contextlib.contextmanager

@@ -233,6 +233,55 @@ def test_hybrid_traffic_is_bounded_by_its_rounds():
         assert forward["bytes"] >= B * H * 2 * HYBRID["key_block"] * D * 4
 
 
+# --------------------------------------------------------------------------- the zig-zag layout
+
+def _check_layout(method: str, causal: bool, n: int, padded: bool, layout: str = "zigzag") -> None:
+    """Every rank holds the positions ``shard(..., layout=layout)`` gives it; its output and
+    gradient rows are the same positions of the single-process op's."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, DV, generator=g)
+    w = torch.randn(B, H, n, DV, generator=g)
+    mask = (torch.rand(B, n, generator=g) < 0.3) if padded else None
+    options = _options(method)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = subquad.attention(*full, method=method, causal=causal, key_padding_mask=mask, **options)
+    (ref * w).sum().backward()
+    mine = [sqd.shard(t, 2, layout=layout).clone().requires_grad_() for t in (q, k, v)]
+    out = sqd.attention(*mine, method=method, causal=causal, layout=layout, **options,
+                        key_padding_mask=None if mask is None else sqd.shard(mask, 1, layout=layout))
+    (out * sqd.shard(w, 2, layout=layout)).sum().backward()
+    torch.testing.assert_close(out, sqd.shard(ref.detach(), 2, layout=layout), **TOL)
+    for a, b in zip(mine, full):
+        torch.testing.assert_close(a.grad, sqd.shard(b.grad, 2, layout=layout), **TOL)
+
+
+def test_zigzag_shard_holds_parts_r_and_2r_minus_1_minus_r():
+    x = torch.arange(13).view(1, 13)
+    parts = x.tensor_split(4, 1)
+    want = torch.cat([parts[dist.get_rank()], parts[3 - dist.get_rank()]], 1)
+    assert torch.equal(sqd.shard(x, 1, layout="zigzag"), want)
+
+
+@pytest.mark.parametrize("n", [12, 13, 3])
+@pytest.mark.parametrize("padded", [False, True])
+def test_ring_attention_zigzag_equals_the_whole_sequence(n, padded):
+    _check_layout("softmax", True, n, padded)
+
+
+@pytest.mark.parametrize("method", ["softmax", "linear", "efficient"])
+def test_zigzag_without_causal_mask(method):
+    _check_layout(method, False, 13, padded=True)
+
+
+@pytest.mark.parametrize("method", ["linear", "hybrid"])
+def test_causal_zigzag_is_refused_where_unbalanced_work_is_not(method):
+    q = torch.randn(1, 2, 8, D)
+    with pytest.raises(NotImplementedError, match="contiguous layout only"):
+        sqd.attention(q, q, q, method=method, causal=True, layout="zigzag")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        sqd.shard(q, layout="striped")
+
+
 # --------------------------------------------------------------------------- a whole model
 
 MODEL_TOL = {"rtol": 1e-4, "atol": 1e-5}

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Shards", "TRAFFIC"]
+__all__ = ["LAYOUTS", "Shards", "TRAFFIC"]
 
 #: bytes and calls of the collectives this process made (see the module docstring)
 TRAFFIC = {"bytes": 0, "calls": 0}
@@ -39,23 +39,46 @@ def _count(*tensors: Tensor) -> None:
     TRAFFIC["calls"] += 1
 
 
+LAYOUTS = ("contiguous", "zigzag")
+
+
 @dataclass(frozen=True)
 class Shards:
     """This process's place in ``group`` (None: the default group): ``rank`` and ``size`` are the
-    group's own (rank ``r`` holds the ``r``-th shard of the sequence)."""
+    group's own; ``layout``: which positions a rank holds, ``"contiguous"`` (rank ``r`` the
+    ``r``-th of ``size`` parts of the sequence) or ``"zigzag"`` (the sequence in ``2 size`` parts,
+    rank ``r`` holding parts ``r`` and ``2 size - 1 - r``, in that order)."""
 
     group: Any
     rank: int
     size: int
+    layout: str = "contiguous"
 
     @classmethod
-    def of(cls, group: Any = None) -> Shards:
+    def of(cls, group: Any = None, layout: str = "contiguous") -> Shards:
         """The shards of ``group`` (None: the default group); RuntimeError when torch.distributed
         is not initialised."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("subquad.distributed needs torch.distributed initialised first "
                                "(torch.distributed.init_process_group, as torchrun sets it up)")
-        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), layout)
+
+    def need_contiguous(self, causal: bool, method: str) -> None:
+        """NotImplementedError for a causal form that knows only the contiguous layout (the
+        layout changes nothing without a causal mask: a rank's rows are its queries either way)."""
+        if causal and self.layout != "contiguous":
+            raise NotImplementedError(f"{method}: causal context parallelism runs on the contiguous layout only "
+                                      f"(layout={self.layout!r} balances ring attention's work: softmax)")
+
+    def split(self, x: Tensor, dim: int) -> Tensor:
+        """This rank's positions of the whole ``x`` along ``dim`` in this layout (``tensor_split``
+        into ``size`` or ``2 size`` parts: the first parts hold one position more)."""
+        if self.layout == "contiguous":
+            return x.tensor_split(self.size, dim)[self.rank]
+        parts = x.tensor_split(2 * self.size, dim)
+        return torch.cat([parts[self.rank], parts[2 * self.size - 1 - self.rank]], dim)
 
     def global_rank(self, rank: int) -> int:
         """The default group's rank of this group's ``rank``."""

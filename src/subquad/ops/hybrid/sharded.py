@@ -86,6 +86,7 @@ def _summaries(q: Tensor, k: Tensor, o, shards: Shards, lengths: list[int]) -> t
 
 def hybrid_context_parallel(q, k, v, key_padding_mask, causal, scale, o, shards: Shards) -> Tensor:
     """The entry's ``context_parallel`` (see the module docstring)."""
+    shards.need_contiguous(causal, "hybrid")
     past = past_blocks(o.num_blocks, o.sinks, o.local)
     lengths = [n for (n,) in shards.gather_ints([q.shape[2]], q.device)]
     exact = o.num_blocks + max(o.sinks, o.local) >= -(-sum(lengths) // o.key_block)  # every block, as the op

@@ -47,6 +47,7 @@ def kernel_attention(
     """
     phi_k, v = drop_padded(phi_k, key_padding_mask), drop_padded(v, key_padding_mask)
     if shards is not None:
+        shards.need_contiguous(causal, "kernel attention (linear, performer, hedgehog)")  # LASP-2's work is even
         v1 = F.pad(v, (0, 1), value=1.0)
         states = shards.gather(phi_k.transpose(-2, -1) @ v1)  # (ranks, B, H, F, Dv + 1)
         if causal:  # every rank adds its prefix, also rank 0 (an empty sum): each runs the gather's backward

@@ -8,8 +8,13 @@ earlier ranks whole, its own with the causal mask, later ones not at all), and m
 outputs by their log-sum-exp. The backward sends the shards around again with their gradients,
 which come home after the last step; each block's gradients come from the merged output and
 log-sum-exp, as in FlashAttention-2's backward. Memory per rank: its own shard and one more in
-flight, never the whole sequence. The causal layout is contiguous, so rank ``r`` computes ``r + 1``
-of the ``size`` blocks (a zig-zag layout would balance it; not done here).
+flight, never the whole sequence. With the contiguous layout, causal rank ``r`` computes ``r + 1``
+of the ``size`` blocks, so the last rank works ``size`` times as long as the first; with
+``layout="zigzag"`` (:func:`subquad.distributed.shard`) the sequence is cut into ``2 size`` chunks
+and rank ``r`` holds chunks ``r`` and ``2 size - 1 - r``, which balances the causal work: every
+rank attends ``2 size - 1`` pairs of chunks whole and 2 under the causal mask (the zig-zag layout
+of Megatron-LM's context parallelism and of ``zigzag_ring_flash_attn.py`` in
+zhuzilin/ring-flash-attention).
 
 On the CPU each block is torch's fused flash kernel (``_scaled_dot_product_flash_attention_for_cpu``
 and its backward); elsewhere plain matrix products that form the block's ``n x m`` logits.
@@ -89,10 +94,32 @@ def _merge(out: Tensor, lse: Tensor, o: Tensor, lse_o: Tensor) -> tuple[Tensor, 
     return out * a + o * b, new
 
 
+def _pieces(n: int, rank: int, size: int, layout: str, causal: bool) -> list[tuple[int, int, int]]:
+    """``(chunk, start, length)`` of the chunks of the sequence a rank's shard of ``n`` positions
+    holds, in its order (not causal: the shard as one piece, order does not matter): contiguous,
+    chunk ``rank``; zig-zag, chunks ``rank`` (the first ``ceil(n / 2)`` positions) and ``2 size - 1
+    - rank``. A chunk's number orders it in the sequence."""
+    if not causal or layout == "contiguous":
+        return [(rank, 0, n)]
+    first = -(-n // 2)
+    return [(rank, 0, first), (2 * size - 1 - rank, first, n - first)]
+
+
+def _pairs(mine, theirs, causal):
+    """``(query slice, key slice, diagonal)`` of the piece pairs that attend: not causal, all;
+    causal, a key chunk before the query chunk whole, the same chunk with the causal mask."""
+    for qc, qa, qn in mine:
+        for kc, ka, kn in theirs:
+            if qn and kn and (not causal or kc <= qc):
+                yield slice(qa, qa + qn), slice(ka, ka + kn), causal and kc == qc
+
+
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, real, causal, scale, shards, lengths):
         rank, size = shards.rank, shards.size
+        pieces = [_pieces(n, r, size, shards.layout, causal) for r, n in enumerate(lengths)]  # of the keys
+        mine = _pieces(q.shape[2], rank, size, shards.layout, causal)  # of the queries (causal: the keys')
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float32 if q.dtype != torch.float64 else q.dtype,
                          device=q.device)
@@ -104,22 +131,22 @@ class _Ring(torch.autograd.Function):
                 incoming = [x.new_empty(*x.shape[:-2], lengths[(source - 1) % size], x.shape[-1])
                             if x.ndim == 4 else x.new_empty(x.shape[0], lengths[(source - 1) % size]) for x in block]
                 requests = shards.exchange(block, (rank + 1) % size, incoming, (rank - 1) % size)
-            if not causal or source <= rank:
-                o, lse_o = _block(q, block[0], block[1], block[2] if real is not None else None,
-                                  causal and source == rank, scale)
-                out, lse = _merge(out, lse, o, lse_o.to(lse.dtype))
+            for qs, ks, diagonal in _pairs(mine, pieces[source], causal):
+                o, lse_o = _block(q[:, :, qs], block[0][:, :, ks], block[1][:, :, ks],
+                                  block[2][:, ks] if real is not None else None, diagonal, scale)
+                out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], o, lse_o.to(lse.dtype))
             for r in requests:
                 r.wait()
             block = incoming or block
         lse = torch.where(torch.isfinite(lse), lse, 0.0)  # a query that sees no key: output 0, no gradient
         ctx.save_for_backward(q, k, v, real, out, lse)
-        ctx.causal, ctx.scale, ctx.shards, ctx.lengths = causal, scale, shards, lengths
+        ctx.causal, ctx.scale, ctx.shards, ctx.lengths, ctx.pieces = causal, scale, shards, lengths, (mine, pieces)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, real, out, lse = ctx.saved_tensors
-        shards, lengths, causal, scale = ctx.shards, ctx.lengths, ctx.causal, ctx.scale
+        shards, lengths, causal, scale, (mine, pieces) = ctx.shards, ctx.lengths, ctx.causal, ctx.scale, ctx.pieces
         rank, size = shards.rank, shards.size
         dout = dout.contiguous()
         dq = torch.zeros_like(q)
@@ -127,13 +154,13 @@ class _Ring(torch.autograd.Function):
         block = [k, v, torch.zeros_like(k), torch.zeros_like(v)] + ([] if real is None else [real])
         for step in range(size):
             source = (rank - step) % size
-            if not causal or source <= rank:
-                dq_b, dk_b, dv_b = _block_backward(dout, q, block[0], block[1], out, lse,
-                                                   block[4] if real is not None else None,
-                                                   causal and source == rank, scale)
-                dq += dq_b
-                block[2] = block[2] + dk_b
-                block[3] = block[3] + dv_b
+            for qs, ks, diagonal in _pairs(mine, pieces[source], causal):
+                dq_b, dk_b, dv_b = _block_backward(dout[:, :, qs], q[:, :, qs], block[0][:, :, ks],
+                                                   block[1][:, :, ks], out[:, :, qs], lse[:, :, qs],
+                                                   block[4][:, ks] if real is not None else None, diagonal, scale)
+                dq[:, :, qs] += dq_b
+                block[2][:, :, ks] += dk_b  # the gradient buffers are this rank's own (zeros, or received)
+                block[3][:, :, ks] += dv_b
             n = lengths[(source - 1) % size]
             incoming = [x.new_empty(*x.shape[:-2], n, x.shape[-1]) if x.ndim == 4 else x.new_empty(x.shape[0], n)
                         for x in block]
