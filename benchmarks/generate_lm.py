@@ -37,9 +37,9 @@ import torch
 
 import subquad.hf as H
 from subquad.cli_base import parse_value
-from subquad.compare import smollm
+from subquad.data import smollm
 from subquad.compare.common import machine_info, md_table, source_state
-from subquad.pretrained import load_smollm
+from subquad.data.pretrained import load_smollm
 
 
 def _steps(model, ids: torch.Tensor, cache, feed: torch.Tensor | None, new: int) -> tuple[list[int], list[float]]:

@@ -7,7 +7,7 @@ The RetroInfer-style estimate (arXiv 2505.02922; hybrid's retired per-query esti
 per group of keys): every complete key block before the query block that its selection leaves out
 enters the same softmax as one pseudo-key, its mean key with logit ``scale q . mean(k) + log(size)``
 and its mean value, so the unselected mass is estimated instead of dropped. Inputs: SmolLM2-135M's
-q, k, v (``subquad.compare.smollm.cached_capture``, layers 0, 3, ..., 27, 9 heads), causal, scale
+q, k, v (``subquad.data.smollm.cached_capture``, layers 0, 3, ..., 27, 9 heads), causal, scale
 1/8; the selection is hybrid's at the given options (``subquad.ops.hybrid.select_blocks``).
 Error: ``|out - exact|_F / |exact|_F`` per layer over all heads, dense float32 per head.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from subquad.compare import smollm
+from subquad.data import smollm
 from subquad.compare.common import md_table
 from subquad.ops.hybrid import HybridOptions, select_blocks
 

@@ -6,7 +6,7 @@
     python benchmarks/long_fidelity.py --n 8192 --no-limits --methods hybrid --rows hybrid:num_blocks=8 \
         hybrid:num_blocks=24 hybrid:score=mass --out /tmp/selection     # selection settings side by side
 
-Inputs: the causal attention inputs of SmolLM2-135M-Instruct (``subquad.compare.smollm``: 30 layers, 9
+Inputs: the causal attention inputs of SmolLM2-135M-Instruct (``subquad.data.smollm``: 30 layers, 9
 query heads, 3 key/value heads repeated over their groups, head dim 64, q and k after the rotary
 embedding, scale 1/8) on the first N tokens of the prose paragraphs of torch's docstrings
 (``smollm.long_text(N, tokenizer, part="eval")``), at layers 0, 3, ..., 27 (``--layers``,
@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 import subquad
-from subquad.compare import smollm
+from subquad.data import smollm
 from subquad.compare.common import machine_info, md_table, source_state
 from subquad.compare.fidelity import attention_sharpness, exact_reference
 from subquad.compare.workload import full_options

@@ -20,7 +20,7 @@ import torch
 
 from subquad import get_method
 from subquad.cli_base import parse_value
-from subquad.compare import smollm
+from subquad.data import smollm
 from subquad.ops.magicpig import collision_log_probability, static_keys
 
 

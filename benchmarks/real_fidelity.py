@@ -3,7 +3,7 @@
     python benchmarks/real_fidelity.py --out benchmarks/results          # full run (a few minutes on 2 cores)
     python benchmarks/real_fidelity.py --quick --out /tmp/real_fidelity  # smoke run: 2 layers, budgets 32 and 64
 
-Inputs: the Q, K, V of all 6 layers x 12 heads of all-MiniLM-L6-v2 (``subquad.compare.minilm``:
+Inputs: the Q, K, V of all 6 layers x 12 heads of all-MiniLM-L6-v2 (``subquad.data.minilm``:
 forward hooks on the query/key/value projections, float32) on English text of exactly 512 tokens:
 the prose paragraphs of the Python standard library's docstrings
 (``subquad.hf.texts.stdlib_paragraphs``), concatenated in order with blank lines until the tokenizer
@@ -41,7 +41,7 @@ import torch
 import subquad
 from subquad.compare.common import machine_info, md_table, source_state
 from subquad.compare.fidelity import exact_reference, relative_error
-from subquad.compare.minilm import MAX_TOKENS, MODEL_NAME, capture_qkv, load_minilm
+from subquad.data.minilm import MAX_TOKENS, MODEL_NAME, capture_qkv, load_minilm
 from subquad.hf.texts import stdlib_paragraphs
 
 BUDGETS = (32, 64, 128)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import subquad.hf as H
-from subquad.pretrained import load_minilm
+from subquad.data.pretrained import load_minilm
 from subquad.compare.timing import median_time
 from subquad.hf import texts as T
 

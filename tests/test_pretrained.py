@@ -1,4 +1,4 @@
-"""subquad.pretrained: the loaders leave the caller's Hugging Face settings alone and print no
+"""subquad.data.pretrained: the loaders leave the caller's Hugging Face settings alone and print no
 progress bar."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from subquad import pretrained
+from subquad.data import pretrained
 
 
 def test_the_gguf_reader_draws_no_bar_inside_and_is_restored_after(capsys):
@@ -36,7 +36,7 @@ def test_load_minilm_leaves_the_hub_online():
     if pretrained.minilm_missing():
         pytest.skip(f"needs {pretrained.minilm_missing()}")
     proc = _run("import os, huggingface_hub.constants as c\n"
-                "from subquad.pretrained import load_minilm\n"
+                "from subquad.data.pretrained import load_minilm\n"
                 "tok, model = load_minilm()\n"
                 "print(os.environ.get('HF_HUB_OFFLINE'), os.environ.get('TRANSFORMERS_OFFLINE'), c.HF_HUB_OFFLINE)")
     assert proc.returncode == 0, proc.stderr
@@ -47,7 +47,7 @@ def test_load_minilm_leaves_the_hub_online():
 def test_load_smollm_prints_no_progress_bar():
     if pretrained.smollm_missing():
         pytest.skip(f"needs {pretrained.smollm_missing()}")
-    proc = _run("import os\nfrom subquad.pretrained import load_smollm\ntok, model = load_smollm()\n"
+    proc = _run("import os\nfrom subquad.data.pretrained import load_smollm\ntok, model = load_smollm()\n"
                 "print(os.environ.get('HF_HUB_OFFLINE'))")
     assert proc.returncode == 0, proc.stderr
     assert "de-quantizing" not in proc.stderr and "%|" not in proc.stderr, proc.stderr[-2000:]

@@ -1,6 +1,7 @@
 """Packages whose public names load on first use (PEP 562), so that importing them costs nothing
 until one is read: ``subquad``, ``subquad.train`` and ``subquad.hf``, which the ``subquad`` command
-imports to read its parsers (``subquad --help`` answers without importing torch).
+imports to read its parsers (``subquad --help`` answers without importing torch), and
+``subquad.data``, whose loaders need torch and transformers.
 
 A package's ``__init__`` names where each public name lives and takes its module-level
 ``__getattr__`` and ``__dir__`` from :func:`lazy_module`::

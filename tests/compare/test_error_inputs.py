@@ -8,10 +8,11 @@ import pytest
 import subquad
 from conftest import run_cli
 from subquad import cli
-from subquad.compare import compare, minilm
+from subquad.compare import compare, source_minilm
 from subquad.compare.common import Config
 from subquad.compare.fidelity import exact_reference, relative_error
 from subquad.compare.workload import forward_call, make_qkv
+from subquad.data import minilm
 
 TINY = ["--n", "16", "24", "--heads", "2", "--dim", "8", "--min-run-time", "0.001", "--no-memory",
         "--no-backward", "--quiet"]
@@ -39,8 +40,8 @@ def test_default_errors_are_those_on_the_capture(fake_minilm, capsys, tmp_path):
     assert e["kind"] == "real" and e["tokens"] == 10 and (e["layers"], e["heads"], e["head_dim"]) == (2, 3, 4)
     assert e["label"] == "real MiniLM activations (N = 10)"
     # the same numbers as subquad compare --source minilm on that capture
-    fidelity = minilm.run(Config(methods=["softmax", "linear", "nystrom"], options={"nystrom": {"num_landmarks": 4}}),
-                          show_progress=False)
+    fidelity = source_minilm.run(Config(methods=["softmax", "linear", "nystrom"],
+                                        options={"nystrom": {"num_landmarks": 4}}), show_progress=False)
     expected = {r["method"]: r["real_mean"] for r in fidelity["rows"]}
     cap = minilm.capture_qkv("")  # conftest's tiny capture
     layers = [(cap["q"][i], cap["k"][i], cap["v"][i]) for i in range(2)]

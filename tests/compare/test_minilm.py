@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from subquad import cli
-from subquad.compare import minilm
+from subquad.compare import source_minilm
 from subquad.compare.compare import Config
+from subquad.data import minilm
 
 SHORT = "The ferry leaves twice a day. The island has one road, one shop and a school with eleven pupils."
 
@@ -52,7 +53,7 @@ def test_long_text_is_cut_at_512_tokens(model):
 def test_run_reports_real_and_random_errors(model, monkeypatch):
     monkeypatch.setattr(minilm, "load_minilm", lambda: model)
     config = Config(methods=["softmax", "linear", "nystrom"], options={"nystrom": {"num_landmarks": 4}})
-    res = minilm.run(config, text=SHORT, show_progress=False)
+    res = source_minilm.run(config, text=SHORT, show_progress=False)
     rows = {r["method"]: r for r in res["rows"]}
     assert rows["softmax"]["real_mean"] < 1e-5 and rows["softmax"]["random_mean"] < 1e-5
     for name in ("linear", "nystrom"):

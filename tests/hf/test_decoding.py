@@ -171,7 +171,7 @@ def test_save_pretrained_refuses_trained_tensors(tmp_path):
 
 def test_save_pretrained_writes_a_gguf_read_model_whose_weights_were_unpacked(tmp_path):
     """A model read from a GGUF file and unpacked to plain weights at load (SmolLM2 by
-    subquad.pretrained.load_smollm) is saved as an ordinary model; its quantizer is put back after."""
+    subquad.data.pretrained.load_smollm) is saved as an ordinary model; its quantizer is put back after."""
     import types
 
     model = H.retrofit(tiny_llama(), "linear")

@@ -184,8 +184,8 @@ def _check_device(p: argparse.ArgumentParser, name: str) -> None:
 
 def _check_smollm(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``--source smollm``: its packages, the model file and ``--n`` within the model's context."""
-    from ..pretrained import SMOLLM_INSTALL
-    from . import smollm
+    from ..data import smollm
+    from ..data.pretrained import SMOLLM_INSTALL
 
     missing = smollm.missing_packages()
     if missing:
@@ -210,7 +210,7 @@ def _source_text(p: argparse.ArgumentParser, args: argparse.Namespace) -> str | 
         _check_smollm(p, args)
     if args.source != "minilm":
         return None
-    from . import minilm
+    from ..data import minilm
 
     missing = minilm.missing_packages()
     if missing:
@@ -238,7 +238,7 @@ def _error_inputs(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
         return fixed
     if asked == "iid":
         return "iid"
-    from . import minilm
+    from ..data import minilm
 
     missing = minilm.missing_packages()
     if not missing:
@@ -297,17 +297,17 @@ def _measure(config, args: argparse.Namespace, text: str | None) -> dict[str, An
     """Run the comparison that ``--source`` / ``--peers`` ask for and print its summary."""
     show = not args.quiet
     if args.source == "minilm":
-        from . import minilm
+        from . import source_minilm
 
         _loading("all-MiniLM-L6-v2 (--source minilm)")
-        results = minilm.run(config, text=text, show_progress=show)
-        print(minilm.summary_text(results))
+        results = source_minilm.run(config, text=text, show_progress=show)
+        print(source_minilm.summary_text(results))
     elif args.source == "smollm":
-        from . import smollm
+        from . import source_smollm
 
         _loading("SmolLM2-135M-Instruct's captures (--source smollm)")
-        results = smollm.run(config, show_progress=show)
-        print(smollm.summary_text(results))
+        results = source_smollm.run(config, show_progress=show)
+        print(source_smollm.summary_text(results))
     elif args.peers:
         from . import peers
 
@@ -319,10 +319,10 @@ def _measure(config, args: argparse.Namespace, text: str | None) -> dict[str, An
 
         real_errors = None
         if config.error_inputs == "real":  # captured once, before the sweep over --n
-            from . import minilm
+            from . import source_minilm
 
             _loading("all-MiniLM-L6-v2 for the error column (--error-inputs iid skips it)")
-            real_errors = minilm.capture_errors(config, show_progress=show)
+            real_errors = source_minilm.capture_errors(config, show_progress=show)
         results = compare.run(config, show_progress=show, real_errors=real_errors)
         print(leaderboard_text(results))
     return results

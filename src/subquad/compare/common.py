@@ -2,8 +2,8 @@
 progress bar, the inputs per length, number formatting and tables, and the renderers that
 turn a results document into console text, report.md and plots.
 
-The result modules (:mod:`.compare`, :mod:`.minilm`, :mod:`.smollm`, :mod:`.peers`) import from
-here and from nothing of each other (what two of them share lives here: :func:`attention_methods`,
+The result modules (:mod:`.compare`, :mod:`.source_minilm`, :mod:`.source_smollm`, :mod:`.peers`)
+import from here and from nothing of each other (what two of them share lives here: :func:`attention_methods`,
 :func:`method_errors`); :mod:`.report` and :mod:`.plots` import none of them: each result module
 hands its :class:`Renderer` over (and registers it, for callers that pass none).
 """
@@ -245,7 +245,7 @@ def renderer_for(res: dict[str, Any]) -> Renderer:
     kind = res.get("kind")
     if kind not in _RENDERERS:
         raise ValueError(f"no renderer for results of kind {kind!r}: import the module that makes them "
-                         f"(subquad.compare.compare, .minilm, .smollm or .peers) or pass its RENDERER; "
+                         f"(subquad.compare.compare, .source_minilm, .source_smollm or .peers) or pass its RENDERER; "
                          f"registered kinds are {sorted(_RENDERERS)}")
     return _RENDERERS[kind]
 

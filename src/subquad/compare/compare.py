@@ -8,8 +8,8 @@ the run goes on.
 
 Time, FLOPs and memory are measured on i.i.d. N(0, 1) inputs at each N. The error is measured
 either on those inputs (``Config.error_inputs = "iid"``) or, once per run, on the Q, K, V of a
-real model (``"real"``: :func:`subquad.compare.minilm.capture_errors`, handed to :func:`run` as
-``real_errors``; every row of a method then carries that one error). On i.i.d. inputs attention
+real model (``"real"``: :func:`subquad.compare.source_minilm.capture_errors`, handed to :func:`run`
+as ``real_errors``; every row of a method then carries that one error). On i.i.d. inputs attention
 is nearly uniform and the exact output a small average, so sparse and random-feature methods
 look worse there than on the sharp attention of trained models.
 """
@@ -405,7 +405,7 @@ def _error_inputs(config: Config, real_errors: dict[str, Any] | None) -> dict[st
         raise ValueError(f"config.error_inputs must be 'real' or 'iid', not {config.error_inputs!r}")
     if real_errors is None or real_errors.get("kind") != "real":
         raise ValueError("config.error_inputs 'real' needs real_errors: the result of "
-                         "subquad.compare.minilm.capture_errors(config)")
+                         "subquad.compare.source_minilm.capture_errors(config)")
     return {**real_errors, "label": error_inputs_label(real_errors)}
 
 
@@ -419,7 +419,8 @@ def _real_error(errors: dict[str, Any], info) -> dict[str, Any] | None:
 def run(config: Config, *, show_progress: bool = True, real_errors: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run the comparison: time, FLOPs and memory on i.i.d. N(0, 1) inputs at each N, the error
     on them too (``config.error_inputs == "iid"``) or ``real_errors`` (``"real"``: the result of
-    :func:`subquad.compare.minilm.capture_errors` for this config). Returns the results document."""
+    :func:`subquad.compare.source_minilm.capture_errors` for this config). Returns the results
+    document."""
     errors = _error_inputs(config, real_errors)
     device = torch.device(config.device)
     dtype = DTYPES[config.dtype]

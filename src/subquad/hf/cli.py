@@ -119,7 +119,7 @@ def _load(p: argparse.ArgumentParser, name: str, kind: str):
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     if name in SHIPPED:
-        from .. import pretrained
+        from ..data import pretrained
 
         missing = pretrained.minilm_missing() if name == "minilm" else pretrained.smollm_missing()
         if missing:

@@ -144,7 +144,7 @@ def save_pretrained(model: nn.Module, directory: str | Path, **kwargs: Any) -> P
 @contextlib.contextmanager
 def _unpacked_gguf(model: nn.Module):
     """A model read from a GGUF file whose weights were all unpacked at load (no packed GGUF
-    module left: ``subquad.pretrained.load_smollm``'s float32 SmolLM2) is an ordinary model that
+    module left: ``subquad.data.pretrained.load_smollm``'s float32 SmolLM2) is an ordinary model that
     transformers still marks as quantized, and so refuses to save: its GGUF quantizer and
     quantization config are set aside while it is written, so that the directory holds the plain
     weights and reloads without the GGUF file. Other models pass through unchanged."""

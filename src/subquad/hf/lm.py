@@ -5,7 +5,7 @@ cache) and returns the loss of each next token; :func:`lm_scores` turns them int
 over the window and over its last quarter (does the method still use far context?), with their
 ratios to exact attention's and the share of greedy next tokens equal to exact attention's.
 :func:`eval_ids` gives the first N tokens of a text, by default held-out English prose shipped
-with installed packages (torch's docstrings, :func:`subquad.compare.smollm.long_text`).
+with installed packages (torch's docstrings, :func:`subquad.data.smollm.long_text`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def eval_ids(tokenizer, n: int, text: str | None = None) -> Tensor:
     """The first ``n`` tokens ``(1, <= n)`` of ``text``, or of held-out prose (torch's
     docstrings) when ``text`` is None."""
     if text is None:
-        from ..compare.smollm import long_text
+        from ..data.smollm import long_text
 
         text = long_text(n, tokenizer, part="eval")
     return tokenizer(text, return_tensors="pt")["input_ids"][:, :n]

@@ -5,7 +5,7 @@ Training text for :func:`subquad.hf.transfer` comes from the docstrings of insta
 *standard library* are kept for evaluation, so the two never overlap. Docstrings are read from
 the ``.py`` sources with :mod:`ast` (no import, deterministic order), split into paragraphs
 at blank lines, and kept when they look like prose (mostly letters, few code symbols): the
-reader is :mod:`subquad.compare.prose`.
+reader is :mod:`subquad.data.prose`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import random
 import sysconfig
 from pathlib import Path
 
-from ..compare.prose import docstrings, package_dir
+from ..data.prose import docstrings, package_dir
 
 __all__ = ["docstrings", "third_party_texts", "stdlib_paragraphs", "pack"]
 

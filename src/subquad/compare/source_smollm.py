@@ -1,0 +1,125 @@
+"""``subquad compare --source smollm``: every causal attention method's error on the Q, K, V of
+SmolLM2-135M-Instruct at up to 8192 tokens (captured by :mod:`subquad.data.smollm` and kept on disk),
+against exact causal attention in float64; ``benchmarks/long_fidelity.py`` measures the limits.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..data import smollm
+from .common import (Config, Renderer, attention_methods, fmt_error, is_exact, machine_info, md_table,
+                     method_errors, progress_bar, register_renderer, text_table)
+from .fidelity import exact_reference
+
+__all__ = ["run", "summary_text", "markdown_smollm", "plot_smollm", "RENDERER"]
+
+
+def run(config: Config, *, layers: Sequence[int] | None = None, cache_dir: str | Path = smollm.CACHE_DIR,
+        show_progress: bool = True) -> dict[str, Any]:
+    """Every causal attention method's error on SmolLM2's Q, K, V at each ``config.ns`` (at most
+    8192): per layer over all heads against exact causal attention in float64, ``"mean"`` over the
+    ``layers`` (default :func:`subquad.data.smollm.default_layers`), captures from
+    :func:`subquad.data.smollm.cached_capture`."""
+    from .workload import DTYPES
+
+    start = time.time()
+    device, dtype = torch.device(config.device), DTYPES[config.dtype]
+    layers = smollm.default_layers() if layers is None else smollm.check_request(1, layers)
+    attention, notes = attention_methods(config, causal=True)
+    bar = progress_bar(len(attention) * len(layers) * len(config.ns), "subquad compare --source smollm",
+                       show_progress)
+    points, cap = [], {}
+    try:
+        for n in sorted(config.ns):
+            bar.set_postfix_str(f"N={n}: SmolLM2 capture and exact attention")
+            cap = smollm.cached_capture(n, layers, cache_dir=cache_dir, log=bar.write)
+            inputs = [tuple(t[i].to(device, dtype) for t in (cap["q"], cap["k"], cap["v"])) for i in range(len(layers))]
+            refs = [exact_reference(*x, cap["scale"], causal=True) for x in inputs]
+            errors = method_errors(attention, inputs, refs, config, bar, f"N={n}", call=smollm.call_arguments(cap))
+            points.append({"n": n, "capture_check": cap["check"], "capture_seconds": cap["seconds"],
+                           "cached_layers": cap["cached"], "errors": errors})
+            del inputs, refs
+    finally:
+        bar.close()
+    return {"kind": "smollm", "config": asdict(config), "machine": machine_info(device), "model": smollm.MODEL_NAME,
+            "text": cap.get("text"), "layers": layers, "heads": cap.get("heads"), "kv_heads": cap.get("kv_heads"),
+            "head_dim": cap.get("head_dim"), "scale": cap.get("scale"), "cache_dir": str(cache_dir),
+            "points": points, "notes": notes, "seconds": time.time() - start}
+
+
+def _table(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Rows: methods, best at the longest N first; columns: the mean error over layers at each N."""
+    points = res["points"]
+    names = list(points[0]["errors"]) if points else []
+
+    def last(name):
+        e = points[-1]["errors"][name]["mean"]
+        return (e is None, e or 0.0)
+
+    body = []
+    for name in sorted(names, key=last):
+        cells = [fmt_error(p["errors"][name]["mean"]) if p["errors"][name]["failure"] is None
+                 else f"FAILED: {p['errors'][name]['failure']}" for p in points]
+        body.append([name, *cells])
+    return ["method", *(f"N = {p['n']}" for p in points)], body
+
+
+def _intro(res: dict[str, Any]) -> list[str]:
+    checks = ", ".join(f"{p['capture_check']:.1e}" for p in res["points"])
+    return [f"{res['model']} on the {res['text']}: layers {res['layers']} of 30, {res['heads']} query heads "
+            f"({res['kv_heads']} key/value heads repeated over their groups), head dim {res['head_dim']}, causal, "
+            f"scale {res['scale']:.4g}. q and k after the rotary embedding; exact causal attention on the capture "
+            f"reproduces the model's attention output to {checks} (per N). Captures cached in {res['cache_dir']}.",
+            "", "Relative error `|out - exact|_F / |exact|_F` against exact causal attention in float64, per layer "
+            "over all heads, mean over the layers; every method with causal=True and its options."]
+
+
+def summary_text(res: dict[str, Any]) -> str:
+    headers, body = _table(res)
+    return "\n".join([*_intro(res), "", text_table(headers, body), *(f"note: {n}" for n in res["notes"])])
+
+
+def markdown_smollm(res: dict[str, Any], images: list[str]) -> str:
+    c = res["config"]
+    headers, body = _table(res)
+    out = ["# subquad compare --source smollm: fidelity on long causal attention", "", *_intro(res), "",
+           f"{c['dtype']} on {res['machine']['device']}, torch {res['machine']['torch']}, {res['seconds']:.0f} s. "
+           f"Command: `{c['command']}`", "", md_table(headers, body)]
+    out += ["", *(f"![{Path(p).stem}]({p})" for p in images)] if images else []
+    notes = [*res["notes"], *(f"{m} options: {', '.join(f'{k}={v}' for k, v in o.items())}"
+                              for m, o in c["options"].items() if o)]
+    out += ["", "## Notes", "", *(f"- {n}" for n in notes)] if notes else []
+    return "\n".join(out) + "\n"
+
+
+def plot_smollm(res: dict[str, Any], out: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    from .plots import log_axis, method_colors, save_figure
+
+    names = [name for name in (res["points"][0]["errors"] if res["points"] else []) if not is_exact(name)]
+    colors = method_colors(names)
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    ns = [p["n"] for p in res["points"]]
+    for name in names:
+        errors = [p["errors"][name]["mean"] for p in res["points"]]
+        ax.plot(ns, [math.nan if e is None else e for e in errors], marker="o", color=colors[name], label=name)
+    log_axis(ax, "x")
+    log_axis(ax, "y")
+    ax.set_xlabel("N (tokens)")
+    ax.set_ylabel("relative error, mean over layers (log)")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8, frameon=False)
+    ax.set_title(f"{res['model']}: causal attention, layers {res['layers']}", fontsize=9)
+    return [save_figure(fig, out / "smollm_error.png")]
+
+
+#: the console summary, report.md and the plot of a ``"smollm"`` document
+RENDERER = register_renderer(Renderer("smollm", summary=summary_text, markdown=markdown_smollm, plot=plot_smollm))
