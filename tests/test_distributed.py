@@ -8,13 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _torchrun(*args: str) -> str:
+def _torchrun(*args: str, processes: int = 2) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("PYTEST_XDIST_WORKER", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", *args]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
     return done.stdout
@@ -31,15 +33,18 @@ def test_readme_example():
     assert "hybrid" in out and "linear" in out, out
 
 
-def test_train_with_context_parallel_equals_one_process(tmp_path):
-    """`subquad train mqar --context-parallel 2` under torchrun (each sequence split over the two
-    processes) ends with the parameters one process reaches on the same batches."""
+@pytest.mark.parametrize("processes", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_train_with_context_parallel_equals_one_process(tmp_path, processes):
+    """`subquad train mqar --context-parallel 2` under torchrun (each sequence split over two
+    processes; with 4, two such groups train data-parallel) ends with the parameters one process
+    reaches on the same batches."""
     import torch
 
     args = ["train", "mqar", "--method", "linear", "-t", "seq_len=64", "-t", "num_pairs=4", "-t", "train_size=64",
             "-t", "eval_size=16", "--steps", "4", "--batch-size", "8", "--eval-every", "2", "--threads", "1",
             "--no-progress", "--no-tensorboard"]
-    out = _torchrun("-m", "subquad.train.cli", *args, "--context-parallel", "2", "--out", str(tmp_path / "cp"))
+    out = _torchrun("-m", "subquad.train.cli", *args, "--context-parallel", "2", "--out", str(tmp_path / "cp"),
+                    processes=processes)
     assert "each sequence split over 2 processes" in out, out
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-m", "subquad.train.cli", *args, "--out", str(tmp_path / "one")],
