@@ -33,7 +33,8 @@ def test_readme_example():
     assert "hybrid" in out and "linear" in out, out
 
 
-@pytest.mark.parametrize("processes", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow  # two whole training runs (one under torchrun): about 40 s
+@pytest.mark.parametrize("processes", [2, 4])
 def test_train_with_context_parallel_equals_one_process(tmp_path, processes):
     """`subquad train mqar --context-parallel 2` under torchrun (each sequence split over two
     processes; with 4, two such groups train data-parallel) ends with the parameters one process
