@@ -132,6 +132,27 @@ def test_run_reports_causal_methods_per_n(monkeypatch):
     assert "| method | N = 32 | N = 160 |" in source_smollm.markdown_smollm(res, [])
 
 
+def test_budgets_give_every_sparse_method_the_same_keys(monkeypatch, tmp_path):
+    """--budgets: each method with a budget gets round(F N) keys a query through its registry entry's
+    budget_options; a budget below its fixed blocks is a failed row; errors fall as the budget grows."""
+    monkeypatch.setattr(smollm, "cached_capture", _fake_capture)
+    config = Config(ns=[256], methods=["softmax", "linear", "hybrid", "topk"], budgets=[0.05, 0.25, 0.5],
+                    options={"hybrid": {"query_block": 16, "key_block": 16}})
+    res = source_smollm.run(config, layers=[0], show_progress=False)
+    errors = res["points"][0]["errors"]
+    assert {"hybrid @ 5%", "hybrid @ 25%", "hybrid @ 50%", "topk @ 5%", "topk @ 25%", "topk @ 50%"} <= set(errors)
+    assert not any(name.startswith(("linear @", "softmax @")) for name in errors)
+    assert "fewer than its sink and local blocks" in errors["hybrid @ 5%"]["failure"]  # 13 keys < 2 blocks of 16
+    q = _fake_capture(256, [0])
+    exact = exact_reference(q["q"][0], q["k"][0], q["v"][0], 0.25, causal=True)
+    out = subquad.attention(q["q"][0], q["k"][0], q["v"][0], method="topk", causal=True, scale=0.25, top_k=64)
+    assert errors["topk @ 25%"]["mean"] == pytest.approx(relative_error(out, exact), rel=1e-4)
+    for m in ("hybrid", "topk"):
+        assert errors[f"{m} @ 25%"]["mean"] > errors[f"{m} @ 50%"]["mean"]
+    assert "`M @ F%`" in source_smollm.markdown_smollm(res, [])
+    assert [p.name for p in source_smollm.plot_smollm(res, tmp_path)] == ["smollm_error.png", "smollm_budgets.png"]
+
+
 def test_compare_cli_checks_smollm_arguments(capsys, monkeypatch):
     code, _, err = run_cli(["compare", "--source", "smollm", "--peers"], capsys)
     assert code == 2 and "--peers" in err
@@ -142,6 +163,10 @@ def test_compare_cli_checks_smollm_arguments(capsys, monkeypatch):
     monkeypatch.setattr(smollm, "find_gguf", lambda: None)
     code, _, err = run_cli(["compare", "--source", "smollm", "--n", "2048", "9000"], capsys)
     assert code == 2 and "8192" in err
+    code, _, err = run_cli(["compare", "--budgets", "0.1"], capsys)
+    assert code == 2 and "add --source smollm" in err
+    code, _, err = run_cli(["compare", "--source", "smollm", "--budgets", "0", "0.1"], capsys)
+    assert code == 2 and "in (0, 1]" in err
 
 
 def test_compare_cli_source_smollm_runs(capsys, monkeypatch, tmp_path):

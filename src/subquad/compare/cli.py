@@ -7,6 +7,8 @@
     subquad compare --error-inputs iid                # errors on the random inputs at each N, not on MiniLM's
     subquad compare --source minilm                   # errors on real all-MiniLM-L6-v2 activations, with random
     subquad compare --source smollm --n 2048 8192     # errors on SmolLM2-135M's causal attention at long N
+    subquad compare --source smollm --methods hybrid topk quest moba --budgets 0.05 0.1 0.25
+                                                      # the sparse methods at equal shares of the keys
     subquad compare --peers                           # against the pip packages of other implementations
 
 :func:`add_parser` registers the command for :func:`subquad.cli.main`; the measuring is
@@ -60,6 +62,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     rec.add_argument("--objective", choices=["forward", "training"], default="forward",
                      help="what the recommendation minimises: forward time or forward+backward time")
     mode = p.add_argument_group("inputs and peers")
+    mode.add_argument("--budgets", type=float, nargs="+", metavar="F",
+                      help="with --source smollm: every method with a budget of exact keys (hybrid, topk, quest, "
+                      "moba) also at each share F of the N keys (e.g. 0.02 0.05 0.1 0.25), the same keys a query "
+                      "for each: the equal-budget table and its plot")
     mode.add_argument("--source", choices=["random", "minilm", "smollm"], default="random",
                       help="random: i.i.d. N(0, 1) q, k, v at each --n; minilm: the Q, K, V of every layer "
                       "and head of all-MiniLM-L6-v2 on a text (needs subquad[real]); smollm: the causal Q, K, V "
@@ -206,6 +212,10 @@ def _source_text(p: argparse.ArgumentParser, args: argparse.Namespace) -> str | 
         p.error("--text is the input of --source minilm; add --source minilm")
     if args.peers and args.source != "random":
         p.error(f"--peers runs on random inputs; it cannot be combined with --source {args.source}")
+    if args.budgets and args.source != "smollm":
+        p.error("--budgets compares the sparse methods on SmolLM2's attention; add --source smollm")
+    if any(not 0 < f <= 1 for f in args.budgets or ()):
+        p.error(f"--budgets are shares of the keys, in (0, 1]: got {args.budgets}")
     if args.source == "smollm":
         _check_smollm(p, args)
     if args.source != "minilm":
@@ -277,7 +287,7 @@ def run_compare(args: argparse.Namespace) -> int:
         max_call_seconds=args.max_call_seconds, memory=not args.no_memory, backward=not args.no_backward,
         seed=args.seed, max_error=args.max_error, objective=args.objective, source=args.source,
         error_inputs=error_inputs, text=str(args.text) if args.text is not None else None, peers=args.peers,
-        out=str(args.out) if args.out is not None else None,
+        out=str(args.out) if args.out is not None else None, budgets=sorted(set(args.budgets or [])),
         command=" ".join(["subquad", *(shlex.quote(a) for a in argv)]),
     )
     results = _measure(config, args, text)

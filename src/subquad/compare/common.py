@@ -27,7 +27,7 @@ from .fidelity import exact_reference, relative_error
 from .workload import forward_call, make_qkv
 
 __all__ = ["Config", "exact_method", "is_exact", "machine_info", "machine_load", "source_state", "progress_bar",
-           "random_inputs", "attention_methods", "method_errors", "error_inputs_label", "Renderer",
+           "random_inputs", "attention_methods", "budget_rows", "method_errors", "error_inputs_label", "Renderer",
            "register_renderer", "renderer_for", "fmt_seconds", "fmt_bytes", "fmt_ratio", "fmt_error", "fmt_rate",
            "text_table", "md_table"]
 
@@ -62,6 +62,9 @@ class Config:
     error_inputs: str = "iid"
     text: str | None = None
     peers: bool = False
+    # --source smollm: every method with a budget (registry ``budget_options``) also at these shares
+    # of the N keys, the same exact keys a query for every one of them
+    budgets: list[float] = field(default_factory=list)
     out: str | None = None
     command: str = ""
 
@@ -175,20 +178,45 @@ def attention_methods(config: Config, causal: bool = False) -> tuple[list, list[
     return [i for i in infos if i.kind == "attention" and (i.causal or not causal)], notes
 
 
+def budget_rows(attention: list, config: Config, n: int) -> list[tuple[str, Any, dict[str, Any]]]:
+    """``(label, info, options)``: each method with the options of ``config``, then each method
+    with a budget (its registry entry's ``budget_options``) at every share ``f`` of
+    ``config.budgets``: ``round(f n)`` exact keys a query, labelled ``"hybrid @ 5%"``. A budget the
+    method cannot take (fewer keys than its fixed blocks) gets the ValueError as its options, which
+    :func:`method_errors` reports as the row's failure."""
+    rows = [(info.name, info, dict(config.options.get(info.name, {}))) for info in attention]
+    for info in attention:
+        for share in config.budgets if info.budget_options else ():
+            user = dict(config.options.get(info.name, {}))
+            try:
+                options = {**user, **info.budget_options(info.make_options(**user), max(1, round(share * n)))}
+            except ValueError as e:
+                options = e
+            rows.append((f"{info.name} @ {100 * share:g}%", info, options))
+    return rows
+
+
 def method_errors(attention: list, inputs: list[tuple], refs: list, config: Config, bar, what: str,
                   call: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Each method's relative error on every layer's ``(q, k, v)`` (all heads) against ``refs``, with
     the options of ``config`` and the arguments ``call`` (such as ``causal``, ``scale``), stochastic
     methods seeded with ``config.seed + layer``: ``{method: {"per_layer", "mean", "failure"}}``,
-    ``mean`` over layers. A method that raises keeps the layers it finished, ``failure`` its message
-    and a None mean; the others go on."""
+    ``mean`` over layers. ``attention``: registry entries, or ``(label, info, options)`` rows
+    (:func:`budget_rows`; options that are an exception: the row fails with it). A method that
+    raises keeps the layers it finished, ``failure`` its message and a None mean; the others go on."""
     out = {}
-    for info in attention:
-        options = {**config.options.get(info.name, {}), **(call or {})}
+    for row in attention:
+        label, info, own = row if isinstance(row, tuple) else (row.name, row, config.options.get(row.name, {}))
         entry: dict[str, Any] = {"per_layer": [], "mean": None, "failure": None}
+        if isinstance(own, Exception):
+            entry["failure"] = f"{type(own).__name__}: {own}"[:300]
+            bar.update(len(inputs))
+            out[label] = entry
+            continue
+        options = {**own, **(call or {})}
         try:
             for i, (qkv, ref) in enumerate(zip(inputs, refs)):
-                bar.set_postfix_str(f"{info.name}: layer {i + 1} {what}")
+                bar.set_postfix_str(f"{label}: layer {i + 1} {what}")
                 with torch.no_grad():
                     entry["per_layer"].append(relative_error(forward_call(info, *qkv, options, seed=config.seed + i)(),
                                                              ref))
@@ -197,7 +225,7 @@ def method_errors(attention: list, inputs: list[tuple], refs: list, config: Conf
         except Exception as e:  # noqa: BLE001 (reported, the run goes on)
             entry["failure"] = f"{type(e).__name__}: {e}"[:300]
             bar.update(len(inputs) - len(entry["per_layer"]))
-        out[info.name] = entry
+        out[label] = entry
     return out
 
 

@@ -14,8 +14,8 @@ from typing import Any, Sequence
 import torch
 
 from ..data import smollm
-from .common import (Config, Renderer, attention_methods, fmt_error, is_exact, machine_info, md_table,
-                     method_errors, progress_bar, register_renderer, text_table)
+from .common import (Config, Renderer, attention_methods, budget_rows, fmt_error, is_exact, machine_info,
+                     md_table, method_errors, progress_bar, register_renderer, text_table)
 from .fidelity import exact_reference
 
 __all__ = ["run", "summary_text", "markdown_smollm", "plot_smollm", "RENDERER"]
@@ -33,8 +33,8 @@ def run(config: Config, *, layers: Sequence[int] | None = None, cache_dir: str |
     device, dtype = torch.device(config.device), DTYPES[config.dtype]
     layers = smollm.default_layers() if layers is None else smollm.check_request(1, layers)
     attention, notes = attention_methods(config, causal=True)
-    bar = progress_bar(len(attention) * len(layers) * len(config.ns), "subquad compare --source smollm",
-                       show_progress)
+    rows = len(budget_rows(attention, config, 1))
+    bar = progress_bar(rows * len(layers) * len(config.ns), "subquad compare --source smollm", show_progress)
     points, cap = [], {}
     try:
         for n in sorted(config.ns):
@@ -42,7 +42,8 @@ def run(config: Config, *, layers: Sequence[int] | None = None, cache_dir: str |
             cap = smollm.cached_capture(n, layers, cache_dir=cache_dir, log=bar.write)
             inputs = [tuple(t[i].to(device, dtype) for t in (cap["q"], cap["k"], cap["v"])) for i in range(len(layers))]
             refs = [exact_reference(*x, cap["scale"], causal=True) for x in inputs]
-            errors = method_errors(attention, inputs, refs, config, bar, f"N={n}", call=smollm.call_arguments(cap))
+            errors = method_errors(budget_rows(attention, config, n), inputs, refs, config, bar, f"N={n}",
+                                   call=smollm.call_arguments(cap))
             points.append({"n": n, "capture_check": cap["check"], "capture_seconds": cap["seconds"],
                            "cached_layers": cap["cached"], "errors": errors})
             del inputs, refs
@@ -78,7 +79,10 @@ def _intro(res: dict[str, Any]) -> list[str]:
             f"scale {res['scale']:.4g}. q and k after the rotary embedding; exact causal attention on the capture "
             f"reproduces the model's attention output to {checks} (per N). Captures cached in {res['cache_dir']}.",
             "", "Relative error `|out - exact|_F / |exact|_F` against exact causal attention in float64, per layer "
-            "over all heads, mean over the layers; every method with causal=True and its options."]
+            "over all heads, mean over the layers; every method with causal=True and its options."
+            + (" A row `M @ F%`: method M with `round(F N)` exact keys a query (its registry entry's "
+               "`budget_options`: the same budget for every sparse method; a budget below a method's fixed "
+               "blocks fails)." if res["config"].get("budgets") else "")]
 
 
 def summary_text(res: dict[str, Any]) -> str:
@@ -104,7 +108,8 @@ def plot_smollm(res: dict[str, Any], out: Path) -> list[Path]:
 
     from .plots import log_axis, method_colors, save_figure
 
-    names = [name for name in (res["points"][0]["errors"] if res["points"] else []) if not is_exact(name)]
+    names = [name for name in (res["points"][0]["errors"] if res["points"] else [])
+             if not is_exact(name) and " @ " not in name]
     colors = method_colors(names)
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     ns = [p["n"] for p in res["points"]]
@@ -118,7 +123,36 @@ def plot_smollm(res: dict[str, Any], out: Path) -> list[Path]:
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=8, frameon=False)
     ax.set_title(f"{res['model']}: causal attention, layers {res['layers']}", fontsize=9)
-    return [save_figure(fig, out / "smollm_error.png")]
+    paths = [save_figure(fig, out / "smollm_error.png")]
+    if res["config"].get("budgets") and res["points"]:
+        paths.append(_plot_budgets(res, out))
+    return paths
+
+
+def _plot_budgets(res: dict[str, Any], out: Path) -> Path:
+    """Error against the share of keys, one panel per N, one line per method with a budget."""
+    import matplotlib.pyplot as plt
+
+    from .plots import log_axis, method_colors, save_figure
+
+    shares = res["config"]["budgets"]
+    methods = sorted({name.split(" @ ")[0] for name in res["points"][0]["errors"] if " @ " in name})
+    colors = method_colors(methods)
+    fig, axes = plt.subplots(1, len(res["points"]), figsize=(4 * len(res["points"]), 3.6), squeeze=False)
+    for ax, p in zip(axes[0], res["points"]):
+        for m in methods:
+            errors = [p["errors"].get(f"{m} @ {100 * f:g}%", {}).get("mean") for f in shares]
+            ax.plot([100 * f for f in shares], [math.nan if e is None else e for e in errors], marker="o",
+                    color=colors[m], label=m)
+        log_axis(ax, "x")
+        log_axis(ax, "y")
+        ax.set_title(f"N = {p['n']}", fontsize=9)
+        ax.set_xlabel("exact keys a query (% of N)")
+        ax.grid(True, which="major", alpha=0.3)
+    axes[0][0].set_ylabel("relative error, mean over layers (log)")
+    axes[0][-1].legend(fontsize=8, frameon=False)
+    fig.suptitle(f"{res['model']}: sparse methods at equal budgets", fontsize=9)
+    return save_figure(fig, out / "smollm_budgets.png")
 
 
 #: the console summary, report.md and the plot of a ``"smollm"`` document
