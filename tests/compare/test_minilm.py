@@ -63,6 +63,18 @@ def test_run_reports_real_and_random_errors(model, monkeypatch):
     assert s["real"]["mean_max_weight"] > s["random"]["mean_max_weight"]
 
 
+def test_budgets_add_the_sparse_methods_at_shares_of_the_keys(model, monkeypatch):
+    monkeypatch.setattr(minilm, "load_minilm", lambda: model)
+    config = Config(methods=["softmax", "topk", "hybrid"], budgets=[0.25, 0.5],
+                    options={"hybrid": {"query_block": 4, "key_block": 2}})
+    res = source_minilm.run(config, text=SHORT, show_progress=False)
+    rows = {r["method"]: r for r in res["rows"]}
+    assert {"topk @ 25%", "topk @ 50%", "hybrid @ 25%", "hybrid @ 50%"} <= set(rows)
+    assert rows["topk @ 50%"]["options"]["top_k"] == round(0.5 * res["tokens"])
+    assert rows["topk @ 25%"]["real_mean"] > rows["topk @ 50%"]["real_mean"] > 0
+    json.dumps(res["rows"])  # the results file takes them
+
+
 def test_cli_writes_the_fidelity_report(model, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(minilm, "load_minilm", lambda: model)
     text = tmp_path / "text.txt"

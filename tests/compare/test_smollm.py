@@ -164,7 +164,7 @@ def test_compare_cli_checks_smollm_arguments(capsys, monkeypatch):
     code, _, err = run_cli(["compare", "--source", "smollm", "--n", "2048", "9000"], capsys)
     assert code == 2 and "8192" in err
     code, _, err = run_cli(["compare", "--budgets", "0.1"], capsys)
-    assert code == 2 and "add --source smollm" in err
+    assert code == 2 and "add --source smollm or minilm" in err
     code, _, err = run_cli(["compare", "--source", "smollm", "--budgets", "0", "0.1"], capsys)
     assert code == 2 and "in (0, 1]" in err
 

