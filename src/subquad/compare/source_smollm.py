@@ -1,6 +1,9 @@
 """``subquad compare --source smollm``: every causal attention method's error on the Q, K, V of
 SmolLM2-135M-Instruct at up to 8192 tokens (captured by :mod:`subquad.data.smollm` and kept on disk),
-against exact causal attention in float64; ``benchmarks/long_fidelity.py`` measures the limits.
+against exact causal attention in float64; with ``--perplexity``, also the model itself with each
+row's attention in every layer (:func:`subquad.hf.retrofit`, zero-shot) on the same tokens: its
+perplexity, the greedy next tokens it shares with the model's own attention, and its forward's
+seconds. ``benchmarks/long_fidelity.py`` measures the limits.
 """
 
 from __future__ import annotations
@@ -34,8 +37,14 @@ def run(config: Config, *, layers: Sequence[int] | None = None, cache_dir: str |
     layers = smollm.default_layers() if layers is None else smollm.check_request(1, layers)
     attention, notes = attention_methods(config, causal=True)
     rows = len(budget_rows(attention, config, 1))
-    bar = progress_bar(rows * len(layers) * len(config.ns), "subquad compare --source smollm", show_progress)
+    steps = rows * (len(layers) + config.perplexity) + config.perplexity
+    bar = progress_bar(steps * len(config.ns), "subquad compare --source smollm", show_progress)
     points, cap = [], {}
+    if config.perplexity:
+        from ..data.pretrained import load_smollm
+
+        bar.set_postfix_str("loading SmolLM2-135M-Instruct for --perplexity")
+        tokenizer, model = load_smollm()
     try:
         for n in sorted(config.ns):
             bar.set_postfix_str(f"N={n}: SmolLM2 capture and exact attention")
@@ -47,12 +56,76 @@ def run(config: Config, *, layers: Sequence[int] | None = None, cache_dir: str |
             points.append({"n": n, "capture_check": cap["check"], "capture_seconds": cap["seconds"],
                            "cached_layers": cap["cached"], "errors": errors})
             del inputs, refs
+            if config.perplexity:
+                points[-1]["perplexity"] = perplexities(budget_rows(attention, config, n), n, tokenizer, model, bar)
     finally:
         bar.close()
     return {"kind": "smollm", "config": asdict(config), "machine": machine_info(device), "model": smollm.MODEL_NAME,
             "text": cap.get("text"), "layers": layers, "heads": cap.get("heads"), "kv_heads": cap.get("kv_heads"),
             "head_dim": cap.get("head_dim"), "scale": cap.get("scale"), "cache_dir": str(cache_dir),
             "points": points, "notes": notes, "seconds": time.time() - start}
+
+
+def perplexities(rows: list[tuple[str, Any, Any]], n: int, tokenizer, model, bar) -> dict[str, Any]:
+    """SmolLM2 on its first ``n`` held-out tokens (:func:`subquad.hf.eval_ids`) with its own
+    attention (``"exact"``) and then with each ``(label, info, options)`` row's in every layer:
+    ``{label: {ppl, ppl_last_quarter, ppl_ratio, last_quarter_ratio, same_prediction, seconds,
+    speedup, failure}}`` (:func:`subquad.hf.lm_scores`; ``speedup``: the model's own forward's
+    seconds over the row's, one forward each, after a 64-token warm-up forward). A row that raises
+    keeps its message as ``failure``; the retrofit's warnings about decoding do not concern one
+    forward and are not shown."""
+    import warnings
+
+    from .. import hf
+
+    ids = hf.eval_ids(tokenizer, n)
+    bar.set_postfix_str(f"N={n}: SmolLM2's own attention")
+    hf.next_token_losses(model, ids[:, :64])
+    loss, pred, seconds = hf.next_token_losses(model, ids)
+    exact = {**hf.lm_scores(loss, pred), "pred": pred}
+    out: dict[str, Any] = {"exact": {"ppl": exact["ppl"], "ppl_last_quarter": exact["ppl_last_quarter"],
+                                     "seconds": seconds, "failure": None}}
+    bar.update(1)
+    for label, info, options in rows:
+        bar.set_postfix_str(f"{label}: SmolLM2 perplexity N={n}")
+        entry: dict[str, Any] = {"failure": None}
+        try:
+            if isinstance(options, Exception):
+                raise options
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*cannot decode from a cache", category=UserWarning)
+                hf.retrofit(model, info.name, **options)
+            try:
+                loss, row_pred, row_seconds = hf.next_token_losses(model, ids)
+            finally:
+                hf.unretrofit(model)
+            entry.update(hf.lm_scores(loss, row_pred, exact), seconds=row_seconds, speedup=seconds / row_seconds)
+        except Exception as e:  # noqa: BLE001 (reported, the run goes on)
+            entry["failure"] = f"{type(e).__name__}: {e}"[:300]
+        out[label] = entry
+        bar.update(1)
+    return out
+
+
+def _perplexity_table(p: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Rows: the model's own attention, then the rows by perplexity ratio; columns: the error,
+    the perplexity and its last quarter against exact, the agreeing next tokens and the forward."""
+    ppl = p["perplexity"]
+    own = ppl["exact"]
+    body = [["SmolLM2's own attention", "", f"{own['ppl']:.3f}", "1.0000", "1.0000", "100.0", f"{own['seconds']:.1f}",
+             "1.00x"]]
+    ranked = sorted((label for label in ppl if label != "exact"),
+                    key=lambda label: (ppl[label]["failure"] is not None, ppl[label].get("ppl_ratio", 0.0)))
+    for label in ranked:
+        r, e = ppl[label], p["errors"][label]
+        error = fmt_error(e["mean"]) if e["failure"] is None else "failed"
+        if r["failure"] is not None:
+            body.append([label, error, f"FAILED: {r['failure']}", "", "", "", "", ""])
+            continue
+        body.append([label, error, f"{r['ppl']:.3f}", f"{r['ppl_ratio']:.4f}", f"{r['last_quarter_ratio']:.4f}",
+                     f"{100 * r['same_prediction']:.1f}", f"{r['seconds']:.1f}", f"{r['speedup']:.2f}x"])
+    return ["method", "error", "perplexity", "vs exact", "last quarter vs exact", "same next token %",
+            "forward s", "speed-up"], body
 
 
 def _table(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -85,9 +158,20 @@ def _intro(res: dict[str, Any]) -> list[str]:
                "blocks fails)." if res["config"].get("budgets") else "")]
 
 
+def _perplexity_intro(res: dict[str, Any]) -> str:
+    return ("SmolLM2-135M-Instruct itself (float32, dequantised from its GGUF file) on the same first N tokens, "
+            "with every layer's attention replaced by the row's (`subquad.hf.retrofit`, zero-shot: no weight "
+            "changes): next-token perplexity over the window and over its last quarter against the model's own "
+            "attention, the share of positions whose greedy next token agrees, and one whole forward's seconds "
+            f"({res['machine']['threads']} threads; speed-up: the model's own forward's seconds over the row's).")
+
+
 def summary_text(res: dict[str, Any]) -> str:
     headers, body = _table(res)
-    return "\n".join([*_intro(res), "", text_table(headers, body), *(f"note: {n}" for n in res["notes"])])
+    out = [*_intro(res), "", text_table(headers, body)]
+    for p in res["points"] if "perplexity" in (res["points"] or [{}])[0] else ():
+        out += ["", f"SmolLM2 perplexity at N = {p['n']}:", text_table(*_perplexity_table(p))]
+    return "\n".join([*out, *(f"note: {n}" for n in res["notes"])])
 
 
 def markdown_smollm(res: dict[str, Any], images: list[str]) -> str:
@@ -97,6 +181,10 @@ def markdown_smollm(res: dict[str, Any], images: list[str]) -> str:
            f"{c['dtype']} on {res['machine']['device']}, torch {res['machine']['torch']}, {res['seconds']:.0f} s. "
            f"Command: `{c['command']}`", "", md_table(headers, body)]
     out += ["", *(f"![{Path(p).stem}]({p})" for p in images)] if images else []
+    if res["points"] and "perplexity" in res["points"][0]:
+        out += ["", "## Perplexity", "", _perplexity_intro(res)]
+        for p in res["points"]:
+            out += ["", f"### N = {p['n']}", "", md_table(*_perplexity_table(p))]
     notes = [*res["notes"], *(f"{m} options: {', '.join(f'{k}={v}' for k, v in o.items())}"
                               for m, o in c["options"].items() if o)]
     out += ["", "## Notes", "", *(f"- {n}" for n in notes)] if notes else []
