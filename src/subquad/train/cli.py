@@ -94,10 +94,10 @@ _COMMANDS = {
 COMMAND_HELP = {command: does for command, (does, _) in _COMMANDS.items()}
 
 
-def _task_parsers(subparsers, command: str, tasks: tuple[str, ...] | None = None,
+def _task_parsers(subparsers, command: str, tasks: tuple[str, ...] | None = None, more=None,
                   **kwargs: Any) -> list[argparse.ArgumentParser]:
     """``COMMAND TASK``: the command's parser and one sub-parser per task (default: every
-    registered task), which it returns."""
+    registered task), which it returns; ``more(sub)`` adds sub-commands that are not tasks."""
     from ..tasks import get_task, list_tasks
 
     tasks = tuple(list_tasks()) if tasks is None else tasks
@@ -106,6 +106,8 @@ def _task_parsers(subparsers, command: str, tasks: tuple[str, ...] | None = None
                                    description=f"{description}")
     sub = parser.add_subparsers(dest=f"{command}_task", metavar="TASK")
     sub.required = True
+    if more is not None:
+        more(sub)
     out = []
     for task in tasks:
         doc = " ".join(plain_text(get_task(task).__doc__ or task).split())
@@ -186,7 +188,7 @@ def add_train_parser(subparsers) -> list[argparse.ArgumentParser]:
     from ..train.config import PRESETS
 
     parsers = _task_parsers(
-        subparsers, "train", epilog="Method options: -o NAME=VALUE or -o METHOD.NAME=VALUE "
+        subparsers, "train", more=_add_report_parser, epilog="Method options: -o NAME=VALUE or -o METHOD.NAME=VALUE "
         "(repeatable), e.g. -o num_landmarks=64 -o conv_kernel_size=35. Task options: -t NAME=VALUE.")
     for p in parsers:
         task = p.get_default("task")
@@ -206,6 +208,31 @@ def add_train_parser(subparsers) -> list[argparse.ArgumentParser]:
         # accepts_extra: the deprecated trailing --name VALUE method options reach run_train
         p.set_defaults(func=run_train, accepts_extra=True)
     return parsers
+
+
+def _add_report_parser(sub) -> None:
+    """``train report RUNS --out DIR``: the table and validation curves of finished and running runs."""
+    p = sub.add_parser("report", help="the table and validation curves of a folder of runs",
+                       description="Write report.md (each run's test metric, mean and spread per group of "
+                       "seeds; a run still going: its step and last validation value) and val_curves.png "
+                       "(every run's validation curve) for the training runs under RUNS (subquad.train.report).")
+    p.add_argument("runs", type=Path, metavar="RUNS", help="a folder of run directories, e.g. runs/digit_scenes")
+    p.add_argument("--out", type=Path, required=True, help="where report.md and val_curves.png go")
+    p.set_defaults(func=run_report, subparser=p, task=None)
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    if not args.runs.is_dir():
+        args.subparser.error(f"RUNS {str(args.runs)!r} is not a directory")
+    command = " ".join(["subquad train report", *(shlex.quote(a) for a in (str(args.runs), "--out", str(args.out)))])
+    try:
+        paths = write_report(args.runs, args.out, command)
+    except FileNotFoundError as e:
+        args.subparser.error(str(e))
+    print("\n".join(f"wrote {p}" for p in paths))
+    return 0
 
 
 def _add_data_argument(p: argparse.ArgumentParser, task: str) -> None:
