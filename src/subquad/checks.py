@@ -127,6 +127,13 @@ def check_float(method: str, name: str, value: Any, *, minimum: float, inclusive
         raise ValueError(f"{method}: {name} must be {sign} {minimum}, got {value}")
 
 
+def check_share(method: str, name: str, value: Any) -> None:
+    """A share in (0, 1], such as a top-p."""
+    check_float(method, name, value, minimum=0.0, inclusive=False)
+    if value > 1:
+        raise ValueError(f"{method}: {name} must be at most 1, got {value}")
+
+
 def check_choice(method: str, name: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"{method}: {name} must be one of {list(choices)}, got {value!r}")

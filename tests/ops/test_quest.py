@@ -11,14 +11,16 @@ from subquad.ops.softmax.naive import softmax_attention_reference
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("page_size,num_pages", [(1, 3), (2, 2), (3, 1), (4, 10)])
-def test_matches_naive(causal, page_size, num_pages):
+@pytest.mark.parametrize("top_p", [1.0, 0.6])
+def test_matches_naive(causal, page_size, num_pages, top_p):
     q, k, v = qkv(2, 2, 13, 8, dv=5)
     mask = torch.zeros(2, 13, dtype=torch.bool)
     mask[0, -4:] = True
     mask[1, 3:9] = True  # pages are cut over the real keys
     out = quest_attention(q, k, v, key_padding_mask=mask, causal=causal, scale=0.6, page_size=page_size,
-                          num_pages=num_pages)
-    ref = quest_attention_reference(q, k, v, mask, causal, scale=0.6, page_size=page_size, num_pages=num_pages)
+                          num_pages=num_pages, top_p=top_p)
+    ref = quest_attention_reference(q, k, v, mask, causal, scale=0.6, page_size=page_size, num_pages=num_pages,
+                                    top_p=top_p)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
 
 

@@ -71,3 +71,6 @@ def test_top_p_keeps_the_fewest_keys_that_hold_the_share():
     for p, used in ((0.5, 1), (0.7, 2), (0.95, 3)):
         out = topk_attention(q, k, v, top_k=3, top_p=p, scale=1.0)
         assert int((out[0, 0, 0] > 0).sum()) == used, p
+    # the share is of the chosen keys' softmax (Twilight's): of the top 2, the first holds 2/3
+    assert int((topk_attention(q, k, v, top_k=2, top_p=0.65, scale=1.0)[0, 0, 0] > 0).sum()) == 1
+    assert int((topk_attention(q, k, v, top_k=2, top_p=0.7, scale=1.0)[0, 0, 0] > 0).sum()) == 2

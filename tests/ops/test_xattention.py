@@ -11,12 +11,13 @@ from subquad.ops.xattention.naive import xattention_attention_reference
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("block_size,stride,threshold", [(4, 2, 0.5), (2, 2, 0.3), (4, 4, 0.8), (3, 1, 0.6)])
-def test_matches_naive(causal, block_size, stride, threshold):
+@pytest.mark.parametrize("top_p", [1.0, 0.6])
+def test_matches_naive(causal, block_size, stride, threshold, top_p):
     q, k, v = qkv(2, 2, 14, 8, dv=5)
     mask = torch.zeros(2, 14, dtype=torch.bool)
     mask[0, -4:] = True
     mask[1, 3:9] = True
-    opts = dict(block_size=block_size, stride=stride, threshold=threshold)
+    opts = dict(block_size=block_size, stride=stride, threshold=threshold, top_p=top_p)
     out = xattention_attention(q, k, v, key_padding_mask=mask, causal=causal, scale=0.6, **opts)
     ref = xattention_attention_reference(q, k, v, mask, causal, scale=0.6, **opts)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...checks import check_int
+from ...checks import check_int, check_share
 from ...registry import register_method
 from ..quest import attend_pages, whole_blocks
 
@@ -31,14 +31,18 @@ __all__ = ["MobaOptions", "block_means", "moba_attention"]
 @dataclass
 class MobaOptions:
     """``block_size``: keys per block (default 128); ``top_blocks``: blocks each query attends
-    (default 8: 1024 keys; causal, its own block is one of them)."""
+    (default 8: 1024 keys; causal, its own block is one of them); ``top_p``: the chosen keys
+    pruned to the fewest that hold this share of their softmax (default 1.0: none pruned;
+    Twilight's top-p, :func:`subquad.ops.topk.keep_share`)."""
 
     block_size: int = 128
     top_blocks: int = 8
+    top_p: float = 1.0
 
     def __post_init__(self):
         check_int("moba", "block_size", self.block_size, minimum=1)
         check_int("moba", "top_blocks", self.top_blocks, minimum=1)
+        check_share("moba", "top_p", self.top_p)
 
 
 def flops(B, H, N, M, D, Dv, o):
@@ -67,7 +71,7 @@ def budget_options(o: MobaOptions, keys: int) -> dict:
                  causal=True, cross_attention=True, complexity="quadratic", flops=flops, query_local=True,
                  test_options={"block_size": 2, "top_blocks": 2}, fullgraph_with_padding=False,
                  budget_options=budget_options, quality_reference=True)
-def moba_attention(q, k, v, key_padding_mask, causal, scale, *, block_size, top_blocks):
+def moba_attention(q, k, v, key_padding_mask, causal, scale, *, block_size, top_blocks, top_p):
     """Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``. Causal:
     query ``i`` sees the keys ``<= i``. A query at a padded position takes the output of the last
     real query before it (causal: zeros when there is none; not causal: the first real query's), an
@@ -77,4 +81,4 @@ def moba_attention(q, k, v, key_padding_mask, causal, scale, *, block_size, top_
     if top_blocks >= -(-k.shape[2] // block_size):  # every block: exact attention (attend_pages)
         top_blocks += 1
     return attend_pages(q, k, v, key_padding_mask, causal, scale, block_size, top_blocks - causal,
-                        lambda k: block_means(k, block_size), lambda q, means: q @ means.mT)
+                        lambda k: block_means(k, block_size), lambda q, means: q @ means.mT, top_p)

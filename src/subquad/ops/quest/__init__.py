@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...checks import check_int
+from ...checks import check_int, check_share
 from ...registry import register_method
 from .._masks import each_item_without_padding
 from ..softmax import sdpa
@@ -35,14 +35,18 @@ __all__ = ["QuestOptions", "attend_pages", "bound", "page_bounds", "page_keys", 
 @dataclass
 class QuestOptions:
     """``page_size``: keys per page (default 16, Quest's); ``num_pages``: pages each query attends
-    exactly (default 64: 1024 keys, plus its own page when causal)."""
+    exactly (default 64: 1024 keys, plus its own page when causal); ``top_p``: the chosen keys
+    pruned to the fewest that hold this share of their softmax (default 1.0: none pruned;
+    Twilight's top-p, :func:`subquad.ops.topk.keep_share`)."""
 
     page_size: int = 16
     num_pages: int = 64
+    top_p: float = 1.0
 
     def __post_init__(self):
         check_int("quest", "page_size", self.page_size, minimum=1)
         check_int("quest", "num_pages", self.num_pages, minimum=1)
+        check_share("quest", "top_p", self.top_p)
 
 
 def flops(B, H, N, M, D, Dv, o):
@@ -85,14 +89,15 @@ def page_keys(scores: Tensor, start: int, M: int, causal: bool, page_size: int, 
 def attend_pages(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool,
                  scale: float | None, page_size: int, num_pages: int,
                  summarise: Callable[[Tensor], tuple[Tensor, ...]],
-                 score: Callable[..., Tensor]) -> Tensor:
+                 score: Callable[..., Tensor], top_p: float = 1.0) -> Tensor:
     """Softmax attention of each query over the keys of its ``num_pages`` best pages
     (:func:`page_keys`), the pages cut over each item's real keys: ``summarise(k)`` per item once
     (in the compute dtype, no gradient), ``score(q, *summary) -> (B, H, n, P)`` per chunk of
     queries. Padding is removed first (:func:`~subquad.ops._masks.each_item_without_padding`).
     When every page would be chosen this is exact attention, masks as given (SDPA; its outputs at
-    padded query positions are its own): no data-dependent branch then, as ``hybrid`` does."""
-    if num_pages >= -(-k.shape[2] // page_size):
+    padded query positions are its own): no data-dependent branch then, as ``hybrid`` does. With
+    ``top_p`` < 1 the chosen keys are pruned (:func:`~subquad.ops.topk.attend_chosen`)."""
+    if num_pages >= -(-k.shape[2] // page_size) and top_p >= 1:
         return sdpa(q, k, v, key_padding_mask, causal, scale)
 
     def attend(q, k, v):
@@ -103,7 +108,7 @@ def attend_pages(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | Non
                 summary.extend(summarise(k.detach().to(qc.dtype)))
             return page_keys(score(qc, *summary), start, ranked.shape[-1], causal, page_size, num_pages)
 
-        return attend_chosen(q, k, v, None, causal, scale, choose)
+        return attend_chosen(q, k, v, None, causal, scale, choose, top_p=top_p)
 
     if key_padding_mask is None or not bool(key_padding_mask.any()):
         return attend(q, k, v)
@@ -132,7 +137,7 @@ def budget_options(o: QuestOptions, keys: int) -> dict:
                  causal=True, cross_attention=True, complexity="quadratic", flops=flops, query_local=True,
                  test_options={"page_size": 2, "num_pages": 2}, fullgraph_with_padding=False,
                  budget_options=budget_options, quality_reference=True)
-def quest_attention(q, k, v, key_padding_mask, causal, scale, *, page_size, num_pages):
+def quest_attention(q, k, v, key_padding_mask, causal, scale, *, page_size, num_pages, top_p):
     """Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``. Causal:
     query ``i`` sees the keys ``<= i``. Pages are cut over each item's real keys (padding is removed
     first, as hybrid does: a padded batch computes what each item computes alone); a query at a
@@ -142,4 +147,4 @@ def quest_attention(q, k, v, key_padding_mask, causal, scale, *, page_size, num_
     :func:`~subquad.ops._masks.each_item_without_padding`). Float32 math under autocast (float64
     stays float64); returns the dtype of q."""
     return attend_pages(q, k, v, key_padding_mask, causal, scale, page_size, num_pages,
-                        lambda k: page_bounds(k, page_size), bound)
+                        lambda k: page_bounds(k, page_size), bound, top_p)

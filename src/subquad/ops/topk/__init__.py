@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...checks import check_float, check_int
+from ...checks import check_int, check_share
 from ...registry import register_method
 from .._masks import compute_dtype, compute_precision, drop_padded, masked_fill_value
 
-__all__ = ["TopkOptions", "attend_chosen", "topk_attention"]
+__all__ = ["TopkOptions", "attend_chosen", "keep_share", "topk_attention"]
 
 #: bytes of logits formed at once (queries are taken in chunks)
 _CHUNK_BYTES = 1 << 26
@@ -31,18 +31,16 @@ _CHUNK_BYTES = 1 << 26
 @dataclass
 class TopkOptions:
     """``top_k``: keys each query attends exactly (default 256); ``top_p``: of those, only the
-    fewest (largest logits first) whose share of the query's whole softmax reaches ``top_p``
-    (default 1.0: all ``top_k``). Twilight's top-p pruning (Lin et al. 2025, arXiv 2502.02770) on
-    exact weights: the number of keys a query needs for a share ``p`` of its attention."""
+    fewest (largest logits first) that hold ``top_p`` of the softmax over them (default 1.0: all
+    ``top_k``; :func:`attend_chosen`). With ``top_k`` at least the keys a query sees, this is the
+    number of keys it needs for a share ``p`` of its attention."""
 
     top_k: int = 256
     top_p: float = 1.0
 
     def __post_init__(self):
         check_int("topk", "top_k", self.top_k, minimum=1)
-        check_float("topk", "top_p", self.top_p, minimum=0.0, inclusive=False)
-        if self.top_p > 1:
-            raise ValueError(f"topk: top_p must be at most 1, got {self.top_p}")
+        check_share("topk", "top_p", self.top_p)
 
 
 def flops(B, H, N, M, D, Dv, o):
@@ -66,15 +64,30 @@ def visible_logits(q: Tensor, k: Tensor, start: int, key_padding_mask: Tensor | 
     return logits, visible
 
 
+def keep_share(ranked: Tensor, keep: Tensor, top_p: float) -> Tensor:
+    """Of the keys ``keep`` marks, the fewest by largest logit (``ranked``) whose softmax over the
+    kept keys reaches ``top_p``, and every key tying the last of them: Twilight's top-p pruning
+    (Lin et al. 2025, "Twilight: Adaptive Attention Sparsity with Hierarchical Top-p Pruning",
+    arXiv 2502.02770), which prunes the keys a selection rule chose down to a share of their mass
+    (here on the exact logits)."""
+    chosen = ranked.masked_fill(~keep, -torch.inf)
+    ordered = chosen.sort(-1, descending=True).values
+    share = torch.softmax(ordered, -1).nan_to_num(0.0)
+    needed = ((share.cumsum(-1) - share) < top_p).sum(-1, keepdim=True).clamp_min(1)
+    return keep & (chosen >= ordered.gather(-1, needed - 1))
+
+
 def attend_chosen(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool,
                   scale: float | None, choose: Callable[[Tensor, int, Tensor], Tensor],
-                  chunk_multiple: int = 1) -> Tensor:
+                  chunk_multiple: int = 1, top_p: float = 1.0) -> Tensor:
     """Softmax attention of each query over the keys ``choose`` picks for it: per chunk of queries
     (positions ``start ..``, a multiple of ``chunk_multiple``), ``choose(q_chunk, start, ranked) ->
     (B, H, n, M)`` bool, where ``ranked`` holds the chunk's logits with the keys it may not see
-    (padded; causal: later) at -inf; it runs without gradient. A NaN logit is always kept, so a
-    NaN input reaches the output as exact attention's would. A query without a visible key
-    outputs zeros. Float32 math under autocast (float64 stays float64); returns the dtype of q."""
+    (padded; causal: later) at -inf; it runs without gradient. With ``top_p`` < 1 the chosen keys
+    are pruned to those holding ``top_p`` of their softmax (:func:`keep_share`). A NaN logit is
+    always kept, so a NaN input reaches the output as exact attention's would. A query without a
+    visible key outputs zeros. Float32 math under autocast (float64 stays float64); returns the
+    dtype of q."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dtype = compute_dtype(q.dtype)
     B, H, N, _ = q.shape
@@ -87,7 +100,10 @@ def attend_chosen(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | No
             logits, visible = visible_logits(qc[:, :, a: a + step], kc, a, key_padding_mask, causal, scale)
             with torch.no_grad():
                 ranked = logits.detach().masked_fill(~visible, -torch.inf)
-                keep = visible & (choose(qc[:, :, a: a + step].detach(), a, ranked) | ranked.isnan())
+                keep = visible & choose(qc[:, :, a: a + step].detach(), a, ranked)
+                if top_p < 1:
+                    keep = keep_share(ranked, keep, top_p)
+                keep = keep | (visible & ranked.isnan())
             weights = torch.softmax(logits.masked_fill(~keep, masked_fill_value(dtype)), -1) * keep
             out.append(weights @ vc)
     return torch.cat(out, 2).to(q.dtype)
@@ -108,11 +124,6 @@ def topk_attention(q, k, v, key_padding_mask, causal, scale, *, top_k, top_p):
     dtype of q."""
 
     def choose(_q, _start, ranked):
-        top = ranked.topk(min(top_k, ranked.shape[-1]), dim=-1).values
-        if top_p < 1:  # the keys ranked above each one hold less than top_p of the softmax
-            share = torch.softmax(ranked, -1).nan_to_num(0.0).sort(-1, descending=True).values[..., : top.shape[-1]]
-            needed = ((share.cumsum(-1) - share) < top_p).sum(-1, keepdim=True).clamp_min(1)
-            top = top.gather(-1, needed - 1)
-        return ranked >= top[..., -1:]
+        return ranked >= ranked.topk(min(top_k, ranked.shape[-1]), dim=-1).values[..., -1:]
 
-    return attend_chosen(q, k, v, key_padding_mask, causal, scale, choose)
+    return attend_chosen(q, k, v, key_padding_mask, causal, scale, choose, top_p=top_p)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...checks import check_float, check_int
+from ...checks import check_float, check_int, check_share
 from ...registry import register_method
 from .._masks import each_item_without_padding
 from ..softmax import sdpa
@@ -43,11 +43,14 @@ __all__ = ["XAttentionOptions", "block_scores", "xattention_attention"]
 class XAttentionOptions:
     """``block_size``: queries and keys per block (default 128); ``stride``: the antidiagonal
     sampling stride (default 8, the paper's for this block size); ``threshold``: the share of each
-    query block's estimated attention its kept key blocks reach (default 0.9)."""
+    query block's estimated attention its kept key blocks reach (default 0.9); ``top_p``: each
+    query's keys in the kept blocks pruned to the fewest that hold this share of their softmax
+    (default 1.0: none pruned; Twilight's top-p, :func:`subquad.ops.topk.keep_share`)."""
 
     block_size: int = 128
     stride: int = 8
     threshold: float = 0.9
+    top_p: float = 1.0
 
     def __post_init__(self):
         check_int("xattention", "block_size", self.block_size, minimum=1)
@@ -55,6 +58,7 @@ class XAttentionOptions:
         check_float("xattention", "threshold", self.threshold, minimum=0.0)
         if self.threshold > 1:
             raise ValueError(f"xattention: threshold must be at most 1, got {self.threshold}")
+        check_share("xattention", "top_p", self.top_p)
 
 
 def flops(B, H, N, M, D, Dv, o):
@@ -103,7 +107,7 @@ def _keep_until(scores: Tensor, threshold: float) -> Tensor:
                  causal=True, cross_attention=True, complexity="quadratic", flops=flops,
                  test_options={"block_size": 4, "stride": 2, "threshold": 0.5}, fullgraph_with_padding=False,
                  quality_reference=True)
-def xattention_attention(q, k, v, key_padding_mask, causal, scale, *, block_size, stride, threshold):
+def xattention_attention(q, k, v, key_padding_mask, causal, scale, *, block_size, stride, threshold, top_p):
     """Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``;
     causal, query ``i`` sees the keys ``<= i``. Padding is removed per item first, and a query at a
     padded position copies an earlier real query's output
@@ -111,7 +115,7 @@ def xattention_attention(q, k, v, key_padding_mask, causal, scale, *, block_size
     stays float64); returns the dtype of q."""
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if k.shape[2] <= block_size:  # one key block, always kept: exact attention, masks as given
+    if k.shape[2] <= block_size and top_p >= 1:  # one key block, always kept: exact attention, masks as given
         return sdpa(q, k, v, key_padding_mask, causal, scale)
 
     def attend(q, k, v):
@@ -137,7 +141,7 @@ def xattention_attention(q, k, v, key_padding_mask, causal, scale, *, block_size
                 keep = keep | (torch.arange(P, device=keep.device) == own[:, None])
             return keep.repeat_interleave(block_size, -2)[..., :n, :].repeat_interleave(block_size, -1)[..., :M]
 
-        return attend_chosen(q, k, v, None, causal, scale, choose, chunk_multiple=block_size)
+        return attend_chosen(q, k, v, None, causal, scale, choose, chunk_multiple=block_size, top_p=top_p)
 
     if key_padding_mask is None or not bool(key_padding_mask.any()):
         return attend(q, k, v)

@@ -5,10 +5,12 @@ import torch
 
 from ..hybrid.naive import items_over_real_keys
 from ..softmax.naive import softmax_attention_reference
+from ..topk.naive import top_p_keys
 
 
-def _one(q, k, v, causal, scale, block_size, stride, threshold):
-    """One unpadded item ``(H, n, D)``, loops over heads, query blocks and queries."""
+def _one(q, k, v, causal, scale, block_size, stride, threshold, top_p):
+    """One unpadded item ``(H, n, D)``, loops over heads, query blocks and queries; each query's
+    keys pruned by :func:`~subquad.ops.topk.naive.top_p_keys`."""
     H, N, _ = q.shape
     M = k.shape[1]
     P = -(-M // block_size)
@@ -34,17 +36,18 @@ def _one(q, k, v, causal, scale, block_size, stride, threshold):
                 kept.add(qb)
             for i in rows:
                 keys = [j for j in range(M) if j // block_size in kept and (not causal or j <= i)]
+                keys = top_p_keys((q[h, i] @ k[h, keys].T) * scale, keys, top_p)
                 w = torch.softmax((q[h, i] @ k[h, keys].T) * scale, -1)
                 out[h, i] = w @ v[h, keys]
     return out
 
 
 def xattention_attention_reference(q, k, v, key_padding_mask=None, causal=False, scale=None, block_size=128,
-                                   stride=8, threshold=0.9):
+                                   stride=8, threshold=0.9, top_p=1.0):
     """Each item over its real keys, as hybrid's reference does."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if k.shape[2] <= block_size:  # one key block: exact attention
+    if k.shape[2] <= block_size and top_p >= 1:  # one key block: exact attention
         return softmax_attention_reference(q, k, v, key_padding_mask, causal, scale)
     return items_over_real_keys(
-        lambda q, k, v: _one(q[0], k[0], v[0], causal, scale, block_size, stride, threshold)[None],
+        lambda q, k, v: _one(q[0], k[0], v[0], causal, scale, block_size, stride, threshold, top_p)[None],
         q, k, v, key_padding_mask, causal)
