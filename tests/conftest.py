@@ -175,3 +175,14 @@ def run_cli(argv, capsys):
         code = e.code
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+@pytest.fixture(autouse=True)
+def _gate_passes(monkeypatch):
+    """``subquad compare``'s correctness gate runs the tests of ``tests/ops`` in a pytest process of
+    its own before it times anything; inside this suite, which runs those tests itself, every
+    compare run gets the verdict "passed" at once. ``tests/compare/test_gate.py`` tests the gate."""
+    from subquad.compare import gate
+
+    monkeypatch.setattr(gate, "run_gate", lambda methods, timeout=900.0: {
+        m: {"status": "passed", "detail": "the suite runs the tests itself", "tests": 0} for m in methods})

@@ -416,6 +416,32 @@ def _real_error(errors: dict[str, Any], info) -> dict[str, Any] | None:
     return errors["errors"].get(info.name) or {"mean": None, "failure": "not measured on them"}
 
 
+def _gate(infos: list, config: Config, bar) -> dict[str, dict[str, Any]]:
+    """The correctness gate's verdict per method (:func:`subquad.compare.gate.run_gate`; empty
+    with ``config.gate`` off)."""
+    if not config.gate:
+        return {}
+    from .gate import run_gate
+
+    bar.set_postfix_str("correctness gate: each method against its naive reference")
+    gates = run_gate([i.name for i in infos])
+    for name, g in gates.items():
+        if g["status"] == "failed":
+            bar.write(f"subquad compare: {name} failed its correctness gate ({g['detail']}); it is not timed",
+                      file=sys.stderr)
+    return gates
+
+
+def _gated_row(info, n: int, config: Config, gates: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """A row without measurements for a method that failed the gate (else None)."""
+    gate = gates.get(info.name)
+    if gate is None or gate["status"] != "failed":
+        return None
+    row = _new_row(info, n, config.options.get(info.name, {}))
+    row["status"], row["errors"]["gate"] = "failed", str(gate["detail"])
+    return row
+
+
 def run(config: Config, *, show_progress: bool = True, real_errors: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run the comparison: time, FLOPs and memory on i.i.d. N(0, 1) inputs at each N, the error
     on them too (``config.error_inputs == "iid"``) or ``real_errors`` (``"real"``: the result of
@@ -435,10 +461,13 @@ def run(config: Config, *, show_progress: bool = True, real_errors: dict[str, An
         notes = _roof_notes(config, roofs)
         for note in notes:  # up front, before the points
             bar.write(f"subquad compare: {note}", file=sys.stderr)
+        gates = _gate(infos, config, bar)
         for n, q, k, v, reference in random_inputs(config, dtype, device, bar, reference=errors["kind"] == "iid"):
             for info in infos:
-                row = _measure_point(info, n, q, k, v, reference, config, history[info.name], bar,
-                                     real_error=_real_error(errors, info))
+                row = _gated_row(info, n, config, gates) or _measure_point(
+                    info, n, q, k, v, reference, config, history[info.name], bar, real_error=_real_error(errors, info))
+                if gates.get(info.name, {}).get("status") == "untested":
+                    row["notes"].append(f"not gated: {gates[info.name]['detail']}")
                 history[info.name][n] = row
                 rows.append(row)
                 bar.update(1)
@@ -459,6 +488,7 @@ def run(config: Config, *, show_progress: bool = True, real_errors: dict[str, An
                     "matmul_size": {key: roof.size for key, roof in roofs.items()},
                     "load": {"before": load_before, "after": machine_load()}},
         "error_inputs": errors,
+        "gate": gates,
         "rows": rows,
         "budgets": budgets,
         "recommendations": recommendations,

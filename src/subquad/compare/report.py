@@ -212,7 +212,22 @@ def _columns_explained(res: dict[str, Any]) -> list[str]:
         "Methods dominated by elementwise work or small matmuls sit far below 100%.",
         f"- **status**: `skipped` when a call was predicted to take over --max-call-seconds "
         f"({c['max_call_seconds']:g} s); `partial` or `FAILED` with the error below.",
+        f"- **correctness gate**: {_gate_text(res)}",
     ]
+
+
+def _gate_text(res: dict[str, Any]) -> str:
+    """What the correctness gate (:mod:`subquad.compare.gate`) decided, in one sentence."""
+    gates = res.get("gate")
+    if not gates:
+        return "off (--no-gate): the methods were timed without their tests." if gates == {} else "not recorded."
+    by = {s: sorted(m for m, g in gates.items() if g["status"] == s) for s in ("passed", "failed", "untested")}
+    tests = sum(int(g["tests"]) for g in gates.values())
+    parts = [f"before timing, {tests} tests against the naive references (`tests/ops/test_*.py -k naive`) ran; "
+             f"passed: {', '.join(by['passed']) or 'none'}"]
+    parts += [f"FAILED, not timed: {', '.join(by['failed'])}"] if by["failed"] else []
+    parts += [f"not gated: {', '.join(by['untested'])}"] if by["untested"] else []
+    return "; ".join(parts) + "."
 
 
 def least_memory_lines(res: dict[str, Any]) -> list[str]:
