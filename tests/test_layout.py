@@ -35,8 +35,8 @@ RANK = {
     "distributed": 3,  # context parallelism: the ops on a sequence split over a torch.distributed group
     "train": 5,
     "data": 4,  # real data and the pretrained models' loaders (compare, hf and the benchmarks use them)
-    "compare": 5,
-    "hf": 6,
+    "hf": 5,
+    "compare": 6,  # above hf: --perplexity runs a retrofitted model
     "cli": 7,
     "methods_cli": 7,
     "__main__": 8,

@@ -178,20 +178,34 @@ def test_perplexity_runs_the_model_with_each_row(monkeypatch, tiny):
 
     monkeypatch.setattr(smollm, "cached_capture", _fake_capture)
     monkeypatch.setattr(pretrained, "load_smollm", lambda: tiny)
-    config = Config(ns=[40], methods=["softmax", "topk", "linear"], perplexity=True,
+    config = Config(ns=[40], methods=["softmax", "topk", "linear"], perplexity=True, rounds=2,
                     sweeps=[["topk", "top_k", [2, 64]]], options={"topk": {"top_k": -3}})
     res = source_smollm.run(config, layers=[0], show_progress=False)
     ppl = res["points"][0]["perplexity"]
     assert set(ppl) == {"exact", "softmax", "topk", "linear", "topk top_k=2", "topk top_k=64"}
-    assert ppl["exact"]["ppl"] > 1 and ppl["exact"]["seconds"] > 0
+    assert ppl["exact"]["ppl"] > 1 and ppl["exact"]["seconds"] > 0 and len(ppl["linear"]["rounds"]) == 2
     for label in ("softmax", "topk top_k=64"):
         assert ppl[label]["ppl_ratio"] == pytest.approx(1.0, abs=1e-4) and ppl[label]["same_prediction"] == 1.0
         assert ppl[label]["speedup"] > 0
     assert abs(ppl["topk top_k=2"]["ppl_ratio"] - 1) > 1e-3 and ppl["linear"]["failure"] is None
     assert "top_k" in ppl["topk"]["failure"]  # its options (top_k=-3) are refused: the row fails, the run goes on
     md = source_smollm.markdown_smollm(res, [])
-    assert "## Perplexity" in md and "| SmolLM2's own attention |" in md and "FAILED" in md
+    assert "## Perplexity" in md and "| SmolLM2's own attention |" in md and "FAILED" in md and "median of 2" in md
     assert "SmolLM2 perplexity at N = 40" in source_smollm.summary_text(res)
+
+
+def test_perplexity_does_not_run_a_method_that_fails_its_gate(monkeypatch, tiny):
+    from subquad.compare import gate
+    from subquad.data import pretrained
+
+    monkeypatch.setattr(smollm, "cached_capture", _fake_capture)
+    monkeypatch.setattr(pretrained, "load_smollm", lambda: tiny)
+    monkeypatch.setattr(gate, "run_gate", lambda methods: {m: {"status": "failed" if m == "linear" else "passed",
+                                                              "detail": "test_linear.py: failed x", "tests": 1}
+                                                          for m in methods})
+    config = Config(ns=[24], methods=["softmax", "linear"], perplexity=True)
+    ppl = source_smollm.run(config, layers=[0], show_progress=False)["points"][0]["perplexity"]
+    assert "correctness gate" in ppl["linear"]["failure"] and ppl["softmax"]["failure"] is None
 
 
 def test_compare_cli_checks_smollm_arguments(capsys, monkeypatch):
@@ -210,6 +224,8 @@ def test_compare_cli_checks_smollm_arguments(capsys, monkeypatch):
     assert code == 2 and "in (0, 1]" in err
     code, _, err = run_cli(["compare", "--perplexity", "--source", "minilm"], capsys)
     assert code == 2 and "add --source smollm" in err
+    code, _, err = run_cli(["compare", "--source", "smollm", "--rounds", "3"], capsys)
+    assert code == 2 and "add --perplexity" in err
     for sweep, message in (("xattention.threshold=0.5", "add --source smollm or minilm"),
                            ("xattention=0.5", "METHOD.OPTION="), ("topk.top_k=8", "not among the methods run"),
                            ("xattention.size=8", "has no option 'size'"), ("xattention.threshold=0.5,2", "at most 1")):

@@ -76,6 +76,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                       "SmolLM2-135M-Instruct (subquad.hf.retrofit, zero-shot) on the same first N tokens: "
                       "perplexity and its last quarter against the model's own attention, the share of "
                       "greedy next tokens that agree, and the whole forward's seconds against the model's own")
+    mode.add_argument("--rounds", type=int, default=0, metavar="R",
+                      help="with --perplexity: each row's forward seconds as the median of R more forwards, "
+                      "interleaved with the model's own (default: one forward each)")
     mode.add_argument("--source", choices=["random", "minilm", "smollm"], default="random",
                       help="random: i.i.d. N(0, 1) q, k, v at each --n; minilm: the Q, K, V of every layer "
                       "and head of all-MiniLM-L6-v2 on a text (needs subquad[real]); smollm: the causal Q, K, V "
@@ -116,6 +119,9 @@ def _add_measurement(run) -> None:
                      help="skip a point whose single call is predicted (from a shorter N, or a probe call at "
                      "N=1024 before a longer first N) to take longer; points predicted over 80%% of the available "
                      "memory are skipped too")
+    run.add_argument("--no-gate", action="store_true",
+                     help="time methods without first running their tests against their naive references "
+                     "(the correctness gate: a method that fails them gets no time)")
     run.add_argument("--no-memory", action="store_true", help="do not measure peak memory")
     run.add_argument("--no-backward", action="store_true", help="do not time forward+backward")
     run.add_argument("--out", type=Path, default=None, metavar="DIR",
@@ -258,6 +264,10 @@ def _source_text(p: argparse.ArgumentParser, args: argparse.Namespace) -> str | 
         p.error("--sweep adds rows to the error table of a real model's attention; add --source smollm or minilm")
     if args.perplexity and args.source != "smollm":
         p.error("--perplexity runs SmolLM2 with each row's attention; add --source smollm")
+    if args.rounds and not args.perplexity:
+        p.error("--rounds times the forwards of --perplexity; add --perplexity")
+    if args.rounds < 0:
+        p.error(f"--rounds must be >= 0, got {args.rounds}")
     if args.source == "smollm":
         _check_smollm(p, args)
     if args.source != "minilm":
@@ -331,7 +341,8 @@ def run_compare(args: argparse.Namespace) -> int:
         seed=args.seed, max_error=args.max_error, objective=args.objective, source=args.source,
         error_inputs=error_inputs, text=str(args.text) if args.text is not None else None, peers=args.peers,
         out=str(args.out) if args.out is not None else None, budgets=sorted(set(args.budgets or [])),
-        sweeps=sweeps, perplexity=args.perplexity,
+        sweeps=sweeps, perplexity=args.perplexity, rounds=args.rounds,
+        gate=not args.no_gate,
         command=" ".join(["subquad", *(shlex.quote(a) for a in argv)]),
     )
     results = _measure(config, args, text)

@@ -69,6 +69,10 @@ class Config:
     sweeps: list[list[Any]] = field(default_factory=list)
     # --perplexity (--source smollm): each row also as SmolLM2's attention, perplexity and time
     perplexity: bool = False
+    # with perplexity: time each row's forward as the median of this many interleaved rounds
+    rounds: int = 0
+    # run each method's tests against its naive reference before timing it (subquad.compare.gate)
+    gate: bool = True
     out: str | None = None
     command: str = ""
 

@@ -87,7 +87,7 @@ class Roof:
 def bounded_matmul_rate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
                         max_seconds: float, size: int | None = None, min_run_time: float = 1.0) -> Roof:
     """:func:`matmul_rate` within ``max_seconds``, for dtypes whose products are slow here (float16
-    on most CPUs takes 20-50 s for the default 2048 x 2048). Sizes double from 256 (1024 on GPU) up to
+    on most CPUs, without native half-precision matrix products). Sizes double from 256 (1024 on GPU) up to
     ``size`` (default: :func:`matmul_rate`'s); each is timed once after a warm-up, and the next is
     tried only while its probe and its full measurement (a warm-up and ``MIN_RUNS`` timed calls, at
     least ``min_run_time``), predicted at 8 times the current product, still fit the time left. The

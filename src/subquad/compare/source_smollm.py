@@ -8,8 +8,11 @@ seconds. ``benchmarks/long_fidelity.py`` measures the limits.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import statistics
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
@@ -45,6 +48,7 @@ def run(config: Config, *, layers: Sequence[int] | None = None, cache_dir: str |
 
         bar.set_postfix_str("loading SmolLM2-135M-Instruct for --perplexity")
         tokenizer, model = load_smollm()
+        gates = _gate(attention, config, bar)
     try:
         for n in sorted(config.ns):
             bar.set_postfix_str(f"N={n}: SmolLM2 capture and exact attention")
@@ -57,7 +61,8 @@ def run(config: Config, *, layers: Sequence[int] | None = None, cache_dir: str |
                            "cached_layers": cap["cached"], "errors": errors})
             del inputs, refs
             if config.perplexity:
-                points[-1]["perplexity"] = perplexities(budget_rows(attention, config, n), n, tokenizer, model, bar)
+                points[-1]["perplexity"] = perplexities(_gated(budget_rows(attention, config, n), gates), n,
+                                                       tokenizer, model, bar, config.rounds)
     finally:
         bar.close()
     return {"kind": "smollm", "config": asdict(config), "machine": machine_info(device), "model": smollm.MODEL_NAME,
@@ -66,16 +71,65 @@ def run(config: Config, *, layers: Sequence[int] | None = None, cache_dir: str |
             "points": points, "notes": notes, "seconds": time.time() - start}
 
 
-def perplexities(rows: list[tuple[str, Any, Any]], n: int, tokenizer, model, bar) -> dict[str, Any]:
+def _gate(attention: list, config: Config, bar) -> dict[str, dict[str, Any]]:
+    """The correctness gate's verdicts (:mod:`subquad.compare.gate`) before SmolLM2's forwards are
+    timed; empty with ``config.gate`` off."""
+    if not config.gate:
+        return {}
+    from .gate import run_gate
+
+    bar.set_postfix_str("correctness gate: each method against its naive reference")
+    return run_gate([info.name for info in attention])
+
+
+def _gated(rows: list, gates: dict[str, dict[str, Any]]) -> list:
+    """``rows`` with the options of a method that failed the gate replaced by the reason."""
+    return [(label, info, RuntimeError(f"failed its correctness gate ({gates[info.name]['detail']}); not run")
+             if gates.get(info.name, {}).get("status") == "failed" else options) for label, info, options in rows]
+
+
+@contextlib.contextmanager
+def _attention(model, method: str, options: dict[str, Any]):
+    """``model`` with ``method`` as every layer's attention inside the block (the retrofit's
+    warnings about decoding do not concern one forward and are not shown)."""
+    from .. import hf
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*cannot decode from a cache", category=UserWarning)
+        hf.retrofit(model, method, **options)
+    try:
+        yield model
+    finally:
+        hf.unretrofit(model)
+
+
+def _time_rounds(out: dict[str, Any], rows: list, model, ids, rounds: int, bar) -> None:
+    """``seconds``: the median of ``rounds`` forwards, interleaved (the model's own, then every row
+    that ran, per round), ``rounds`` the times and ``speedup`` over the model's own median, into
+    ``out``'s entries."""
+    from .. import hf
+
+    ran = [(label, info, options) for label, info, options in rows if out[label]["failure"] is None]
+    times: dict[str, list[float]] = {label: [] for label in ["exact", *(r[0] for r in ran)]}
+    for r in range(rounds):
+        bar.set_postfix_str(f"N={ids.shape[1]}: timing round {r + 1} of {rounds}")
+        times["exact"].append(hf.next_token_losses(model, ids)[2])
+        for label, info, options in ran:
+            with _attention(model, info.name, options):
+                times[label].append(hf.next_token_losses(model, ids)[2])
+    base = statistics.median(times["exact"])
+    for label, t in times.items():
+        out[label].update(seconds=statistics.median(t), rounds=t, speedup=base / statistics.median(t))
+
+
+def perplexities(rows: list[tuple[str, Any, Any]], n: int, tokenizer, model, bar, rounds: int = 0) -> dict[str, Any]:
     """SmolLM2 on its first ``n`` held-out tokens (:func:`subquad.hf.eval_ids`) with its own
     attention (``"exact"``) and then with each ``(label, info, options)`` row's in every layer:
     ``{label: {ppl, ppl_last_quarter, ppl_ratio, last_quarter_ratio, same_prediction, seconds,
     speedup, failure}}`` (:func:`subquad.hf.lm_scores`; ``speedup``: the model's own forward's
-    seconds over the row's, one forward each, after a 64-token warm-up forward). A row that raises
-    keeps its message as ``failure``; the retrofit's warnings about decoding do not concern one
-    forward and are not shown."""
-    import warnings
-
+    seconds over the row's, one forward each after a 64-token warm-up forward, or with ``rounds``
+    the medians of that many more, interleaved: :func:`_time_rounds`). A row that raises keeps its
+    message as ``failure``."""
     from .. import hf
 
     ids = hf.eval_ids(tokenizer, n)
@@ -92,18 +146,15 @@ def perplexities(rows: list[tuple[str, Any, Any]], n: int, tokenizer, model, bar
         try:
             if isinstance(options, Exception):
                 raise options
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*cannot decode from a cache", category=UserWarning)
-                hf.retrofit(model, info.name, **options)
-            try:
+            with _attention(model, info.name, options):
                 loss, row_pred, row_seconds = hf.next_token_losses(model, ids)
-            finally:
-                hf.unretrofit(model)
             entry.update(hf.lm_scores(loss, row_pred, exact), seconds=row_seconds, speedup=seconds / row_seconds)
         except Exception as e:  # noqa: BLE001 (reported, the run goes on)
             entry["failure"] = f"{type(e).__name__}: {e}"[:300]
         out[label] = entry
         bar.update(1)
+    if rounds:
+        _time_rounds(out, rows, model, ids, rounds, bar)
     return out
 
 
@@ -124,8 +175,9 @@ def _perplexity_table(p: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             continue
         body.append([label, error, f"{r['ppl']:.3f}", f"{r['ppl_ratio']:.4f}", f"{r['last_quarter_ratio']:.4f}",
                      f"{100 * r['same_prediction']:.1f}", f"{r['seconds']:.1f}", f"{r['speedup']:.2f}x"])
+    timed = f"forward s (median of {len(own['rounds'])})" if "rounds" in own else "forward s"
     return ["method", "error", "perplexity", "vs exact", "last quarter vs exact", "same next token %",
-            "forward s", "speed-up"], body
+            timed, "speed-up"], body
 
 
 def _table(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
