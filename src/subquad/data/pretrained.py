@@ -71,7 +71,7 @@ def find_gguf() -> Path:
 
 def load_smollm():
     """``(tokenizer, model)`` of SmolLM2-135M-Instruct from its GGUF file, offline, dequantised to
-    float32, in eval mode (about 30 s on 2 cores); new objects on every call. Local files only,
+    float32, in eval mode; new objects on every call. Local files only,
     and no progress bar (not even the GGUF de-quantisation's, which transformers draws with tqdm
     whatever its progress-bar setting)."""
     path = find_gguf()

@@ -30,10 +30,10 @@ def one_thread(active: bool = True):
     torch splits an elementwise kernel over its threads from about 32k elements on, and a
     batched LAPACK call over its batch; each split ends at a barrier where every thread waits
     for the slowest. On a CPU whose other cores are busy, a thread the OS has descheduled turns
-    that wait into a scheduler time slice, milliseconds for microseconds of work: measured on
-    2 cores with both busy, a QR of 4 matrices of 64 x 64 took 470 ms on two threads and 1.3 ms
-    on one, 14 rounds of log-softmax over (8, 64, 64) 108 ms and 0.3 ms. Small work gains
-    nothing from a second thread when the machine is quiet, so it runs on one."""
+    that wait into a scheduler time slice, milliseconds for microseconds of work (a small
+    batched QR or a few log-softmaxes of 64 x 64 tiles then take hundreds of times longer on two
+    threads than on one). Small work gains nothing from a second thread when the machine is
+    quiet, so it runs on one."""
     if not active or torch.compiler.is_compiling() or torch.get_num_threads() == 1:
         yield
         return

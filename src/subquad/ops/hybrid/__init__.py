@@ -70,9 +70,10 @@ class HybridOptions:
     8192 tokens, zero-shot); ``sinks``: leading key blocks always attended (1); ``local``: key
     blocks next to the query block always attended (causal: the ``local`` blocks before it; not
     causal: on each side; 1); ``score``: ``"mean"`` (mean query times mean key, MoBA's gate; the
-    default: on SmolLM2 at 8192 tokens perplexity x1.006 against x1.005 for ``"mass"``, and at
-    65536 tokens its selection takes 0.07 s against 1.7 s) or ``"mass"`` (estimated attention mass
-    of the block for the scoring queries); ``backend``: ``"auto"`` (causal self-attention on the
+    default: as accurate as ``"mass"`` on SmolLM2 at 8192 tokens,
+    ``benchmarks/results/retrofit_lm_hybrid_score/``, and its selection is one product of mean
+    vectors per query block instead of a softmax per scoring query) or ``"mass"`` (estimated
+    attention mass of the block for the scoring queries); ``backend``: ``"auto"`` (causal self-attention on the
     CPU with ``key_block <= query_block``: ``"sdpa"``; else FlexAttention where it runs, for at
     least 2048 queries; else ``"gather"``), ``"sdpa"`` (torch's fused CPU kernel per query block),
     ``"flex"`` or ``"gather"``."""
