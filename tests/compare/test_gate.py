@@ -24,6 +24,7 @@ def test_each_method_maps_to_its_ops_test_file():
     assert gate.test_file("topk", None) is None
 
 
+@pytest.mark.slow  # a pytest process of its own over test_moba.py's reference tests
 def test_the_real_gate_passes_a_method_that_matches_its_reference():
     verdict = REAL_RUN_GATE(["moba"])["moba"]
     assert verdict["status"] == "passed" and verdict["tests"] >= 2 and verdict["detail"] == "test_moba.py"
