@@ -202,6 +202,21 @@ def _tiny(**kw):
     return Config(**{**base, **kw})
 
 
+def test_sweep_rows_are_timed_and_measured_like_methods():
+    """--sweep on the timing run: a row per value, with its own time and error (hybrid with fewer
+    blocks than the sequence needs is approximate, with every block it is exact); a value the
+    method refuses fails its row alone."""
+    config = _tiny(ns=[64], methods=["softmax", "hybrid"], options={"hybrid": {"query_block": 8, "key_block": 8}},
+                   sweeps=[["hybrid", "num_blocks", [1, 8, -1]]])
+    res = compare.run(config, show_progress=False)
+    rows = {r["method"]: r for r in res["rows"]}
+    assert set(rows) == {"softmax", "hybrid", "hybrid num_blocks=1", "hybrid num_blocks=8", "hybrid num_blocks=-1"}
+    assert rows["hybrid num_blocks=1"]["options"] == {"query_block": 8, "key_block": 8, "num_blocks": 1}
+    assert rows["hybrid num_blocks=1"]["forward_s"] > 0 and rows["hybrid num_blocks=1"]["rel_error"] > 1e-3
+    assert rows["hybrid num_blocks=8"]["rel_error"] < 1e-5
+    assert rows["hybrid num_blocks=-1"]["status"] == "failed" and "num_blocks" in rows["hybrid num_blocks=-1"]["errors"]["options"]
+
+
 def test_a_failing_method_is_reported_and_the_run_goes_on(monkeypatch):
     real = compare.forward_call
 

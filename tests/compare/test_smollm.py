@@ -226,11 +226,13 @@ def test_compare_cli_checks_smollm_arguments(capsys, monkeypatch):
     assert code == 2 and "add --source smollm" in err
     code, _, err = run_cli(["compare", "--source", "smollm", "--rounds", "3"], capsys)
     assert code == 2 and "add --perplexity" in err
-    for sweep, message in (("xattention.threshold=0.5", "add --source smollm or minilm"),
+    code, _, err = run_cli(["compare", "--peers", "--methods", "nystrom", "--sweep", "nystrom.num_landmarks=8"],
+                           capsys)
+    assert code == 2 and "cannot be combined with --peers" in err
+    for sweep, message in (
                            ("xattention=0.5", "METHOD.OPTION="), ("topk.top_k=8", "not among the methods run"),
                            ("xattention.size=8", "has no option 'size'"), ("xattention.threshold=0.5,2", "at most 1")):
-        source = [] if "add --source" in message else ["--source", "smollm"]
-        code, _, err = run_cli(["compare", *source, "--methods", "xattention", "--sweep", sweep], capsys)
+        code, _, err = run_cli(["compare", "--source", "smollm", "--methods", "xattention", "--sweep", sweep], capsys)
         assert code == 2 and message in err, (sweep, err)
 
 

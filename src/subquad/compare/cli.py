@@ -69,8 +69,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                       "quest, moba) also at each share F of the N keys (e.g. 0.02 0.05 0.1 0.25), the same keys a "
                       "query for each: the equal-budget table (and, for smollm, its plot)")
     mode.add_argument("--sweep", action="append", default=[], metavar="METHOD.OPTION=V1,V2,...",
-                      help="with --source smollm or minilm: a row of METHOD at each value of OPTION (repeatable), "
-                      "e.g. xattention.threshold=0.8,0.9,0.95 (a selected method)")
+                      help="a row of METHOD at each value of OPTION beside its own (repeatable), e.g. "
+                      "hybrid.num_blocks=8,32 or xattention.threshold=0.8,0.95 (a selected method): timed, and "
+                      "in the error tables of every --source")
     mode.add_argument("--perplexity", action="store_true",
                       help="with --source smollm: every row also as the attention of every layer of "
                       "SmolLM2-135M-Instruct (subquad.hf.retrofit, zero-shot) on the same first N tokens: "
@@ -260,8 +261,8 @@ def _source_text(p: argparse.ArgumentParser, args: argparse.Namespace) -> str | 
         p.error("--budgets compares the sparse methods on a real model's attention; add --source smollm or minilm")
     if any(not 0 < f <= 1 for f in args.budgets or ()):
         p.error(f"--budgets are shares of the keys, in (0, 1]: got {args.budgets}")
-    if args.sweep and args.source == "random":
-        p.error("--sweep adds rows to the error table of a real model's attention; add --source smollm or minilm")
+    if args.sweep and args.peers:
+        p.error("--sweep adds rows of subquad's methods; it cannot be combined with --peers")
     if args.perplexity and args.source != "smollm":
         p.error("--perplexity runs SmolLM2 with each row's attention; add --source smollm")
     if args.rounds and not args.perplexity:

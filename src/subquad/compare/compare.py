@@ -28,7 +28,7 @@ from torch import Tensor
 import subquad
 
 from . import flops as flop_counts
-from .common import (Config, Renderer, error_inputs_label, is_exact, machine_info, machine_load, progress_bar,
+from .common import (Config, Renderer, budget_rows, error_inputs_label, is_exact, machine_info, machine_load, progress_bar,
                      random_inputs, register_renderer)
 from .fidelity import relative_error
 from .memory import measure, measure_in_subprocess
@@ -82,12 +82,14 @@ class _Point:
     real_error: dict[str, Any] | None = None  # the method's error on real inputs, measured once
 
     def stage(self, what: str) -> None:
-        self.bar.set_postfix_str(f"N={self.n} {self.info.name}: {what}")
+        self.bar.set_postfix_str(f"N={self.n} {self.row['method']}: {what}")
 
 
-def _new_row(info, n: int, user_options: dict[str, Any]) -> dict[str, Any]:
+def _new_row(info, n: int, user_options: dict[str, Any], label: str | None = None) -> dict[str, Any]:
+    """An empty row of ``info``'s method at ``n`` (``label``: its name in the results, the method's
+    own unless a ``--sweep`` row)."""
     return {
-        "n": n, "method": info.name, "kind": info.kind, "complexity": info.complexity,
+        "n": n, "method": label or info.name, "kind": info.kind, "complexity": info.complexity,
         "stochastic": info.stochastic, "options": user_options, "status": "ok", "errors": {}, "notes": [],
         "forward_s": None, "forward_runs": None, "forward_spread": None,
         "forward_backward_s": None, "forward_backward_runs": None, "forward_backward_spread": None,
@@ -286,12 +288,13 @@ def _record_memory(p: _Point, backward: bool) -> None:
             row["errors"][f"memory_{stage}"] = mem[f"{stage}_error"]
 
 
-def _measure_point(info, n: int, q, k, v, reference, config: Config, history, bar,
+def _measure_point(row: tuple[str, Any, dict[str, Any]], n: int, q, k, v, reference, config: Config, history, bar,
                    real_error: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every measurement of one (method, N) point, in order: forward time (or a skip), error
-    (against ``reference``, or ``real_error``), FLOPs, forward+backward time, peak memory."""
-    user_options = config.options.get(info.name, {})
-    p = _Point(info, n, q, k, v, config, history, bar, user_options, _new_row(info, n, user_options),
+    (against ``reference``, or ``real_error``), FLOPs, forward+backward time, peak memory.
+    ``row``: ``(label, info, options)`` (:func:`~subquad.compare.common.budget_rows`)."""
+    label, info, user_options = row
+    p = _Point(info, n, q, k, v, config, history, bar, user_options, _new_row(info, n, user_options, label),
                real_error=real_error)
     _probe(p)
     if _skip_slow_forward(p) or _skip_large_forward(p):
@@ -409,11 +412,11 @@ def _error_inputs(config: Config, real_errors: dict[str, Any] | None) -> dict[st
     return {**real_errors, "label": error_inputs_label(real_errors)}
 
 
-def _real_error(errors: dict[str, Any], info) -> dict[str, Any] | None:
-    """A method's entry in the real-input errors; None for i.i.d. errors and for token mixers."""
+def _real_error(errors: dict[str, Any], info, label: str) -> dict[str, Any] | None:
+    """A row's entry in the real-input errors; None for i.i.d. errors and for token mixers."""
     if errors["kind"] != "real" or info.kind != "attention":
         return None
-    return errors["errors"].get(info.name) or {"mean": None, "failure": "not measured on them"}
+    return errors["errors"].get(label) or {"mean": None, "failure": "not measured on them"}
 
 
 def _gate(infos: list, config: Config, bar) -> dict[str, dict[str, Any]]:
@@ -432,12 +435,18 @@ def _gate(infos: list, config: Config, bar) -> dict[str, dict[str, Any]]:
     return gates
 
 
-def _gated_row(info, n: int, config: Config, gates: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """A row without measurements for a method that failed the gate (else None)."""
+def _unmeasured_row(spec: tuple[str, Any, Any], n: int, gates: dict[str, dict[str, Any]]) -> dict | None:
+    """A failed row without measurements for a method that failed the gate or options the method
+    refuses (else None)."""
+    label, info, options = spec
     gate = gates.get(info.name)
+    if isinstance(options, Exception):
+        row = _new_row(info, n, {}, label)
+        row["status"], row["errors"]["options"] = "failed", _message(options)
+        return row
     if gate is None or gate["status"] != "failed":
         return None
-    row = _new_row(info, n, config.options.get(info.name, {}))
+    row = _new_row(info, n, options, label)
     row["status"], row["errors"]["gate"] = "failed", str(gate["detail"])
     return row
 
@@ -452,10 +461,11 @@ def run(config: Config, *, show_progress: bool = True, real_errors: dict[str, An
     dtype = DTYPES[config.dtype]
     start = time.time()
     infos = [subquad.get_method(m) for m in config.methods]
+    specs = budget_rows(infos, config, 0)  # each method, and each --sweep row
     load_before = machine_load()
     rows: list[dict[str, Any]] = []
-    history: dict[str, dict[int, dict[str, Any]]] = {i.name: {} for i in infos}
-    bar = progress_bar(len(config.ns) * len(infos), "subquad compare", show_progress)  # shown before any work
+    history: dict[str, dict[int, dict[str, Any]]] = {label: {} for label, _, _ in specs}
+    bar = progress_bar(len(config.ns) * len(specs), "subquad compare", show_progress)  # shown before any work
     try:
         roofs = _matmul_rates(device, dtype, config, bar)
         notes = _roof_notes(config, roofs)
@@ -463,12 +473,13 @@ def run(config: Config, *, show_progress: bool = True, real_errors: dict[str, An
             bar.write(f"subquad compare: {note}", file=sys.stderr)
         gates = _gate(infos, config, bar)
         for n, q, k, v, reference in random_inputs(config, dtype, device, bar, reference=errors["kind"] == "iid"):
-            for info in infos:
-                row = _gated_row(info, n, config, gates) or _measure_point(
-                    info, n, q, k, v, reference, config, history[info.name], bar, real_error=_real_error(errors, info))
+            for spec in specs:
+                label, info, _ = spec
+                row = _unmeasured_row(spec, n, gates) or _measure_point(
+                    spec, n, q, k, v, reference, config, history[label], bar, real_error=_real_error(errors, info, label))
                 if gates.get(info.name, {}).get("status") == "untested":
                     row["notes"].append(f"not gated: {gates[info.name]['detail']}")
-                history[info.name][n] = row
+                history[label][n] = row
                 rows.append(row)
                 bar.update(1)
             del reference

@@ -52,14 +52,15 @@ def capture_errors(config: Config, text: str | None = None, *, show_progress: bo
     :func:`subquad.compare.compare.run` as ``real_errors``). Token mixers are left out.
 
     Returns the capture's description (model, text, tokens, layers, heads, head_dim,
-    capture_check), ``"kind": "real"``, ``"errors"``: ``{method: {"per_layer", "mean",
-    "failure"}}`` and ``"seconds"``."""
+    capture_check), ``"kind": "real"``, ``"errors"``: ``{row: {"per_layer", "mean", "failure"}}``
+    (each method, and each ``--sweep`` row) and ``"seconds"``."""
     start = time.time()
     cap, real, refs = _real_inputs(config, text)
     attention, _ = attention_methods(config)
-    bar = progress_bar(len(attention) * len(real), "subquad compare: errors on MiniLM Q, K, V", show_progress)
+    specs = budget_rows(attention, config, real[0][0].shape[2])  # each method and each --sweep row
+    bar = progress_bar(len(specs) * len(real), "subquad compare: errors on MiniLM Q, K, V", show_progress)
     try:
-        errors = method_errors(attention, real, refs, config, bar, "real")
+        errors = method_errors(specs, real, refs, config, bar, "real")
     finally:
         bar.close()
     return {"kind": "real", **_capture_info(cap, real, text, config), "errors": errors,
