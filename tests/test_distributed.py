@@ -22,12 +22,14 @@ def _torchrun(*args: str, processes: int = 2) -> str:
     return done.stdout
 
 
+@pytest.mark.slow  # two processes under torchrun running tests/distributed: about 25 s
 def test_context_parallel_on_two_processes():
     out = _torchrun("-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                     str(ROOT / "tests" / "distributed"))
     assert " passed" in out and " failed" not in out, out[-3000:]
 
 
+@pytest.mark.slow  # the README's example under torchrun: about 35 s
 def test_readme_example():
     out = _torchrun(str(ROOT / "examples" / "context_parallel.py"))
     assert "hybrid" in out and "linear" in out, out
