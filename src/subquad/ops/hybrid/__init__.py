@@ -63,7 +63,9 @@ FLEX_MIN_QUERIES = 2048
 
 @dataclass
 class HybridOptions:
-    """``query_block``: consecutive queries that share one set of key blocks (default 128);
+    """``query_block``: consecutive queries that share one set of key blocks (default 512: on
+    SmolLM2 at 4096 and 8192 tokens as accurate as 128 or more, and the CPU kernel runs 512-query
+    units at a higher rate, ``benchmarks/results/hybrid_query_block/``);
     ``key_block``: keys per block (128: the tile of the CUDA kernels' backward; smaller blocks run
     there through a table look-up in each visited tile); ``num_blocks``: key blocks each query
     block selects by score (16: SmolLM2's perplexity within 1 % of exact attention's at 4096 and
@@ -78,7 +80,7 @@ class HybridOptions:
     least 2048 queries; else ``"gather"``), ``"sdpa"`` (torch's fused CPU kernel per query block),
     ``"flex"`` or ``"gather"``."""
 
-    query_block: int = 128
+    query_block: int = 512
     key_block: int = 128
     num_blocks: int = 16
     sinks: int = 1

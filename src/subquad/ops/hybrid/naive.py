@@ -10,7 +10,7 @@ import torch
 from ..softmax.naive import softmax_attention_reference
 
 
-def selected_blocks(q, k, causal=False, scale=None, *, query_block=128, key_block=128, num_blocks=16, sinks=1,
+def selected_blocks(q, k, causal=False, scale=None, *, query_block=512, key_block=128, num_blocks=16, sinks=1,
                     local=1, score="mean"):
     """``sel[b][h][i]``: the set of key blocks query block ``i`` attends (module docstring of
     ``subquad.ops.hybrid.select``), for unpadded q ``(B, H, N, D)``, k ``(B, H, M, D)``."""
@@ -68,7 +68,7 @@ def _dense(q, k, v, causal, scale, qb, kb, options):
     return weights @ v
 
 
-def hybrid_attention_reference(q, k, v, key_padding_mask=None, causal=False, scale=None, query_block=128,
+def hybrid_attention_reference(q, k, v, key_padding_mask=None, causal=False, scale=None, query_block=512,
                                      key_block=128, **options):
     """Dense softmax over the keys of each query's selected blocks (causal: at or before it), item
     by item over its real keys (self-attention: and real queries; a padded query position copies
