@@ -7,7 +7,8 @@ to match exact attention layer by layer, then the model's next-token perplexity 
 
 Training text: ``--texts`` windows of ``--length`` tokens from ``smollm.long_text(...,
 part="train")`` (numpy's and transformers' docstrings); evaluation text: the first N tokens of
-``part="eval"`` (torch's), as in ``subquad compare --source smollm --perplexity``; never the standard library's docstrings. The
+``part="eval"`` (torch's), as in ``subquad compare --source smollm --perplexity``; never the standard
+library's docstrings. The
 teacher is the same model with exact attention (:func:`subquad.hf.transfer`: one pass caches
 every layer's q, k, v and exact output; the student layers are trained on them independently,
 Adam). ``hedgehog`` trains its feature maps; a method without parameters of its own gets per-head

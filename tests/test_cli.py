@@ -214,7 +214,8 @@ def test_sweep_rows_are_timed_and_measured_like_methods():
     assert rows["hybrid num_blocks=1"]["options"] == {"query_block": 8, "key_block": 8, "num_blocks": 1}
     assert rows["hybrid num_blocks=1"]["forward_s"] > 0 and rows["hybrid num_blocks=1"]["rel_error"] > 1e-3
     assert rows["hybrid num_blocks=8"]["rel_error"] < 1e-5
-    assert rows["hybrid num_blocks=-1"]["status"] == "failed" and "num_blocks" in rows["hybrid num_blocks=-1"]["errors"]["options"]
+    bad = rows["hybrid num_blocks=-1"]
+    assert bad["status"] == "failed" and "num_blocks" in bad["errors"]["options"]
 
 
 def test_a_failing_method_is_reported_and_the_run_goes_on(monkeypatch):

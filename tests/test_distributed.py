@@ -56,4 +56,4 @@ def test_train_with_context_parallel_equals_one_process(tmp_path, processes):
     cp, one = (torch.load(tmp_path / d / "model.pt", weights_only=False)["model"] for d in ("cp", "one"))
     assert cp.keys() == one.keys()
     for name in one:
-        torch.testing.assert_close(cp[name], one[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(cp[name], one[name], rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")

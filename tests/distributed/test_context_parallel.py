@@ -239,7 +239,8 @@ def _check_layout(method: str, causal: bool, n: int, padded: bool, layout: str =
     """Every rank holds the positions ``shard(..., layout=layout)`` gives it; its output and
     gradient rows are the same positions of the single-process op's."""
     g = torch.Generator().manual_seed(3)
-    q, k, v = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, DV, generator=g)
+    q, k = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g)
+    v = torch.randn(B, H, n, DV, generator=g)
     w = torch.randn(B, H, n, DV, generator=g)
     mask = (torch.rand(B, n, generator=g) < 0.3) if padded else None
     options = _options(method)
@@ -314,7 +315,7 @@ def _run(model: Encoder, lengths: list[int], padded: bool) -> None:
     for name, p in model.named_parameters():
         grad = p.grad.clone()
         dist.all_reduce(grad)
-        torch.testing.assert_close(grad, want[name], **MODEL_TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grad, want[name], **MODEL_TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("method,options", [("linear", {}), ("softmax", {}), ("efficient", {}),

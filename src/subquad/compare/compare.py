@@ -28,7 +28,8 @@ from torch import Tensor
 import subquad
 
 from . import flops as flop_counts
-from .common import (Config, Renderer, budget_rows, error_inputs_label, is_exact, machine_info, machine_load, progress_bar,
+from .common import (Config, Renderer, budget_rows, error_inputs_label, is_exact, machine_info, machine_load,
+                     progress_bar,
                      random_inputs, register_renderer)
 from .fidelity import relative_error
 from .memory import measure, measure_in_subprocess
@@ -476,7 +477,8 @@ def run(config: Config, *, show_progress: bool = True, real_errors: dict[str, An
             for spec in specs:
                 label, info, _ = spec
                 row = _unmeasured_row(spec, n, gates) or _measure_point(
-                    spec, n, q, k, v, reference, config, history[label], bar, real_error=_real_error(errors, info, label))
+                    spec, n, q, k, v, reference, config, history[label], bar,
+                    real_error=_real_error(errors, info, label))
                 if gates.get(info.name, {}).get("status") == "untested":
                     row["notes"].append(f"not gated: {gates[info.name]['detail']}")
                 history[label][n] = row

@@ -85,7 +85,8 @@ def run_gate(methods: list[str], timeout: float = 900.0) -> dict[str, dict[str, 
         if trouble and not cases:
             out[method] = {"status": "failed", "detail": f"the gate did not run: {trouble}", "tests": 0}
         elif not cases:
-            out[method] = {"status": "untested", "detail": f"no test named *naive* or *reference* in {path.name}", "tests": 0}
+            out[method] = {"status": "untested", "tests": 0,
+                           "detail": f"no test named *naive* or *reference* in {path.name}"}
         else:
             out[method] = {"status": "failed" if failed else "passed", "tests": len(cases),
                            "detail": f"{path.name}: failed {', '.join(failed)}" if failed else path.name}

@@ -223,7 +223,8 @@ def _gate_text(res: dict[str, Any]) -> str:
         return "off (--no-gate): the methods were timed without their tests." if gates == {} else "not recorded."
     by = {s: sorted(m for m, g in gates.items() if g["status"] == s) for s in ("passed", "failed", "untested")}
     tests = sum(int(g["tests"]) for g in gates.values())
-    parts = [f"before timing, {tests} tests against the naive references (`tests/ops/test_*.py -k 'naive or reference'`) ran; "
+    parts = [f"before timing, {tests} tests against the naive references "
+             f"(`tests/ops/test_*.py -k 'naive or reference'`) ran; "
              f"passed: {', '.join(by['passed']) or 'none'}"]
     parts += [f"FAILED, not timed: {', '.join(by['failed'])}"] if by["failed"] else []
     parts += [f"not gated: {', '.join(by['untested'])}"] if by["untested"] else []

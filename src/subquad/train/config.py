@@ -55,8 +55,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # (subquad.models.segmenter): HamNet's layout scaled down (Geng et al. 2021), one context block of
     # width 64 at 1/4 resolution (16 x 16 positions for 64 x 64 images), one head (Hamburger's ham:
     # one group, rank 8); AdamW with a short warm-up and linear decay. Sized for under 45 minutes of
-    # one CPU thread (each run's train_seconds: runs/digit_scenes/*/*/*/results.json). ffn_dim, positions, head_hidden and
-    # conv_kernel_size are the encoder's and unused here.
+    # one CPU thread (each run's train_seconds: runs/digit_scenes/*/*/*/results.json). ffn_dim, positions,
+    # head_hidden and conv_kernel_size are the encoder's and unused here.
     "digit_scenes": dict(task="digit_scenes", layers=1, dim=64, heads=1, ffn_dim=128, positions="learned",
                          dropout=0.0, attention_dropout=0.0, head_hidden=0, pooling="none", conv_kernel_size=0,
                          batch_size=32, lr=2e-3, warmup_steps=200, schedule="linear", steps=6000, weight_decay=1e-4,

@@ -36,5 +36,6 @@ def moba_attention_reference(q, k, v, key_padding_mask=None, causal=False, scale
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if top_blocks >= -(-k.shape[2] // block_size) and top_p >= 1:  # every block: exact attention
         return softmax_attention_reference(q, k, v, key_padding_mask, causal, scale)
-    return items_over_real_keys(lambda q, k, v: _one(q[0], k[0], v[0], causal, scale, block_size, top_blocks, top_p)[None],
-                                q, k, v, key_padding_mask, causal)
+    return items_over_real_keys(
+        lambda q, k, v: _one(q[0], k[0], v[0], causal, scale, block_size, top_blocks, top_p)[None],
+        q, k, v, key_padding_mask, causal)

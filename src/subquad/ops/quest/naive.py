@@ -39,5 +39,6 @@ def quest_attention_reference(q, k, v, key_padding_mask=None, causal=False, scal
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if num_pages >= -(-k.shape[2] // page_size) and top_p >= 1:  # every page: exact attention
         return softmax_attention_reference(q, k, v, key_padding_mask, causal, scale)
-    return items_over_real_keys(lambda q, k, v: _one(q[0], k[0], v[0], causal, scale, page_size, num_pages, top_p)[None],
-                                q, k, v, key_padding_mask, causal)
+    return items_over_real_keys(
+        lambda q, k, v: _one(q[0], k[0], v[0], causal, scale, page_size, num_pages, top_p)[None],
+        q, k, v, key_padding_mask, causal)
