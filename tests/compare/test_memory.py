@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from subquad.compare import memory
@@ -37,6 +38,7 @@ def test_measure_in_a_fresh_process():
     assert out["forward_backward_bytes"] >= 3 * output_bytes
 
 
+@pytest.mark.slow  # a subprocess that fails on purpose
 def test_a_failing_subprocess_is_reported():
     out = memory.measure_in_subprocess({**SPEC, "method": "no-such-method"}, timeout=120)
     assert out["forward_bytes"] is None
