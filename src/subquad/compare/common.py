@@ -27,7 +27,7 @@ from .fidelity import exact_reference, relative_error
 from .workload import forward_call, make_qkv
 
 __all__ = ["Config", "exact_method", "is_exact", "machine_info", "machine_load", "source_state", "progress_bar",
-           "random_inputs", "attention_methods", "budget_rows", "method_errors", "error_inputs_label", "Renderer",
+           "random_inputs", "attention_methods", "comparison_rows", "method_errors", "error_inputs_label", "Renderer",
            "register_renderer", "renderer_for", "fmt_seconds", "fmt_bytes", "fmt_ratio", "fmt_error", "fmt_rate",
            "text_table", "md_table"]
 
@@ -186,7 +186,7 @@ def attention_methods(config: Config, causal: bool = False) -> tuple[list, list[
     return [i for i in infos if i.kind == "attention" and (i.causal or not causal)], notes
 
 
-def budget_rows(attention: list, config: Config, n: int) -> list[tuple[str, Any, dict[str, Any]]]:
+def comparison_rows(attention: list, config: Config, n: int) -> list[tuple[str, Any, dict[str, Any]]]:
     """``(label, info, options)``: each method with the options of ``config``; each method with a
     budget (its registry entry's ``budget_options``) at every share ``f`` of ``config.budgets``:
     ``round(f n)`` exact keys a query, labelled ``"hybrid @ 5%"``; and each ``config.sweeps``
@@ -223,7 +223,7 @@ def method_errors(attention: list, inputs: list[tuple], refs: list, config: Conf
     the options of ``config`` and the arguments ``call`` (such as ``causal``, ``scale``), stochastic
     methods seeded with ``config.seed + layer``: ``{method: {"per_layer", "mean", "failure"}}``,
     ``mean`` over layers. ``attention``: registry entries, or ``(label, info, options)`` rows
-    (:func:`budget_rows`; options that are an exception: the row fails with it). A method that
+    (:func:`comparison_rows`; options that are an exception: the row fails with it). A method that
     raises keeps the layers it finished, ``failure`` its message and a None mean; the others go on."""
     out = {}
     for row in attention:

@@ -28,10 +28,11 @@ from torch import Tensor
 import subquad
 
 from . import flops as flop_counts
-from .common import (Config, Renderer, budget_rows, error_inputs_label, is_exact, machine_info, machine_load,
+from .common import (Config, Renderer, comparison_rows, error_inputs_label, is_exact, machine_info, machine_load,
                      progress_bar,
                      random_inputs, register_renderer)
 from .fidelity import relative_error
+from .gate import verdicts
 from .memory import measure, measure_in_subprocess
 from .recommend import OBJECTIVES, budget_table, recommend
 from .report import leaderboard_text, markdown_compare, write_report
@@ -293,7 +294,7 @@ def _measure_point(row: tuple[str, Any, dict[str, Any]], n: int, q, k, v, refere
                    real_error: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every measurement of one (method, N) point, in order: forward time (or a skip), error
     (against ``reference``, or ``real_error``), FLOPs, forward+backward time, peak memory.
-    ``row``: ``(label, info, options)`` (:func:`~subquad.compare.common.budget_rows`)."""
+    ``row``: ``(label, info, options)`` (:func:`~subquad.compare.common.comparison_rows`)."""
     label, info, user_options = row
     p = _Point(info, n, q, k, v, config, history, bar, user_options, _new_row(info, n, user_options, label),
                real_error=real_error)
@@ -420,22 +421,6 @@ def _real_error(errors: dict[str, Any], info, label: str) -> dict[str, Any] | No
     return errors["errors"].get(label) or {"mean": None, "failure": "not measured on them"}
 
 
-def _gate(infos: list, config: Config, bar) -> dict[str, dict[str, Any]]:
-    """The correctness gate's verdict per method (:func:`subquad.compare.gate.run_gate`; empty
-    with ``config.gate`` off)."""
-    if not config.gate:
-        return {}
-    from .gate import run_gate
-
-    bar.set_postfix_str("correctness gate: each method against its naive reference")
-    gates = run_gate([i.name for i in infos])
-    for name, g in gates.items():
-        if g["status"] == "failed":
-            bar.write(f"subquad compare: {name} failed its correctness gate ({g['detail']}); it is not timed",
-                      file=sys.stderr)
-    return gates
-
-
 def _unmeasured_row(spec: tuple[str, Any, Any], n: int, gates: dict[str, dict[str, Any]]) -> dict | None:
     """A failed row without measurements for a method that failed the gate or options the method
     refuses (else None)."""
@@ -462,7 +447,7 @@ def run(config: Config, *, show_progress: bool = True, real_errors: dict[str, An
     dtype = DTYPES[config.dtype]
     start = time.time()
     infos = [subquad.get_method(m) for m in config.methods]
-    specs = budget_rows(infos, config, 0)  # each method, and each --sweep row
+    specs = comparison_rows(infos, config, 0)  # each method, and each --sweep row
     load_before = machine_load()
     rows: list[dict[str, Any]] = []
     history: dict[str, dict[int, dict[str, Any]]] = {label: {} for label, _, _ in specs}
@@ -472,7 +457,7 @@ def run(config: Config, *, show_progress: bool = True, real_errors: dict[str, An
         notes = _roof_notes(config, roofs)
         for note in notes:  # up front, before the points
             bar.write(f"subquad compare: {note}", file=sys.stderr)
-        gates = _gate(infos, config, bar)
+        gates = verdicts([i.name for i in infos], config.gate, bar)
         for n, q, k, v, reference in random_inputs(config, dtype, device, bar, reference=errors["kind"] == "iid"):
             for spec in specs:
                 label, info, _ = spec

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import subquad
 
-__all__ = ["tests_dir", "test_file", "run_gate"]
+__all__ = ["tests_dir", "test_file", "run_gate", "verdicts"]
 
 #: the pytest expression that picks the tests against a method's naive reference
 SELECT = "naive or reference"
@@ -91,3 +91,18 @@ def run_gate(methods: list[str], timeout: float = 900.0) -> dict[str, dict[str, 
             out[method] = {"status": "failed" if failed else "passed", "tests": len(cases),
                            "detail": f"{path.name}: failed {', '.join(failed)}" if failed else path.name}
     return out
+
+
+def verdicts(names: list[str], enabled: bool, bar) -> dict[str, dict[str, object]]:
+    """:func:`run_gate` for a compare run that times ``names`` (empty when not ``enabled``, as with
+    ``--no-gate``), with the stage on the progress bar ``bar`` and a line on stderr per method that
+    failed."""
+    if not enabled:
+        return {}
+    bar.set_postfix_str("correctness gate: each method against its naive reference")
+    gates = run_gate(names)
+    for name, g in gates.items():
+        if g["status"] == "failed":
+            bar.write(f"subquad compare: {name} failed its correctness gate ({g['detail']}); it is not timed",
+                      file=sys.stderr)
+    return gates

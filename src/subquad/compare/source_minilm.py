@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..data import minilm
-from .common import (Config, Renderer, attention_methods, budget_rows, fmt_error, is_exact, machine_info,
+from .common import (Config, Renderer, attention_methods, comparison_rows, fmt_error, is_exact, machine_info,
                      md_table, method_errors, progress_bar, register_renderer, text_table)
 from .fidelity import attention_sharpness, exact_reference
 from .workload import DTYPES, make_qkv
@@ -57,7 +57,7 @@ def capture_errors(config: Config, text: str | None = None, *, show_progress: bo
     start = time.time()
     cap, real, refs = _real_inputs(config, text)
     attention, _ = attention_methods(config)
-    specs = budget_rows(attention, config, real[0][0].shape[2])  # each method and each --sweep row
+    specs = comparison_rows(attention, config, real[0][0].shape[2])  # each method and each --sweep row
     bar = progress_bar(len(specs) * len(real), "subquad compare: errors on MiniLM Q, K, V", show_progress)
     try:
         errors = method_errors(specs, real, refs, config, bar, "real")
@@ -92,7 +92,7 @@ def run(config: Config, text: str | None = None, *, show_progress: bool = True) 
     sharp_rand = [attention_sharpness(x[0], x[1]) for x in rand]
 
     attention, notes = attention_methods(config)
-    specs = budget_rows(attention, config, n)  # with --budgets: the sparse methods at shares of the n keys too
+    specs = comparison_rows(attention, config, n)  # with --budgets: the sparse methods at shares of the n keys too
     bar = progress_bar(len(specs) * layers * 2, "subquad compare --source minilm", show_progress)
     try:
         on_real = method_errors(specs, real, ref_real, config, bar, "real")

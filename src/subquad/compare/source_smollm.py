@@ -20,9 +20,10 @@ from typing import Any, Sequence
 import torch
 
 from ..data import smollm
-from .common import (Config, Renderer, attention_methods, budget_rows, fmt_error, is_exact, machine_info,
+from .common import (Config, Renderer, attention_methods, comparison_rows, fmt_error, is_exact, machine_info,
                      md_table, method_errors, progress_bar, register_renderer, text_table)
 from .fidelity import exact_reference
+from .gate import verdicts
 
 __all__ = ["run", "summary_text", "markdown_smollm", "plot_smollm", "RENDERER"]
 
@@ -39,7 +40,7 @@ def run(config: Config, *, layers: Sequence[int] | None = None, cache_dir: str |
     device, dtype = torch.device(config.device), DTYPES[config.dtype]
     layers = smollm.default_layers() if layers is None else smollm.check_request(1, layers)
     attention, notes = attention_methods(config, causal=True)
-    rows = len(budget_rows(attention, config, 1))
+    rows = len(comparison_rows(attention, config, 1))
     steps = rows * (len(layers) + config.perplexity) + config.perplexity
     bar = progress_bar(steps * len(config.ns), "subquad compare --source smollm", show_progress)
     points, cap = [], {}
@@ -48,20 +49,20 @@ def run(config: Config, *, layers: Sequence[int] | None = None, cache_dir: str |
 
         bar.set_postfix_str("loading SmolLM2-135M-Instruct for --perplexity")
         tokenizer, model = load_smollm()
-        gates = _gate(attention, config, bar)
+        gates = verdicts([info.name for info in attention], config.gate, bar)
     try:
         for n in sorted(config.ns):
             bar.set_postfix_str(f"N={n}: SmolLM2 capture and exact attention")
             cap = smollm.cached_capture(n, layers, cache_dir=cache_dir, log=bar.write)
             inputs = [tuple(t[i].to(device, dtype) for t in (cap["q"], cap["k"], cap["v"])) for i in range(len(layers))]
             refs = [exact_reference(*x, cap["scale"], causal=True) for x in inputs]
-            errors = method_errors(budget_rows(attention, config, n), inputs, refs, config, bar, f"N={n}",
+            errors = method_errors(comparison_rows(attention, config, n), inputs, refs, config, bar, f"N={n}",
                                    call=smollm.call_arguments(cap))
             points.append({"n": n, "capture_check": cap["check"], "capture_seconds": cap["seconds"],
                            "cached_layers": cap["cached"], "errors": errors})
             del inputs, refs
             if config.perplexity:
-                points[-1]["perplexity"] = perplexities(_gated(budget_rows(attention, config, n), gates), n,
+                points[-1]["perplexity"] = perplexities(_gated(comparison_rows(attention, config, n), gates), n,
                                                        tokenizer, model, bar, config.rounds)
     finally:
         bar.close()
@@ -69,17 +70,6 @@ def run(config: Config, *, layers: Sequence[int] | None = None, cache_dir: str |
             "text": cap.get("text"), "layers": layers, "heads": cap.get("heads"), "kv_heads": cap.get("kv_heads"),
             "head_dim": cap.get("head_dim"), "scale": cap.get("scale"), "cache_dir": str(cache_dir),
             "points": points, "notes": notes, "seconds": time.time() - start}
-
-
-def _gate(attention: list, config: Config, bar) -> dict[str, dict[str, Any]]:
-    """The correctness gate's verdicts (:mod:`subquad.compare.gate`) before SmolLM2's forwards are
-    timed; empty with ``config.gate`` off."""
-    if not config.gate:
-        return {}
-    from .gate import run_gate
-
-    bar.set_postfix_str("correctness gate: each method against its naive reference")
-    return run_gate([info.name for info in attention])
 
 
 def _gated(rows: list, gates: dict[str, dict[str, Any]]) -> list:
