@@ -7,6 +7,8 @@ them standalone (``python -m subquad.train.cli``, for ``torchrun``) from the sam
     subquad train listops --method nystrom -o num_landmarks=64 -o conv_kernel_size=35
     subquad evaluate listops --checkpoint out/listops/nystrom/best.pt --split val
     subquad train mqar --method linear -t seq_len=512 -t num_pairs=32
+    subquad evaluate mqar --checkpoint out/mqar/linear/best.pt --sweep num_pairs=16,32 --json recall.json
+    subquad train report runs/mqar --sweep recall.json --sweep-label P --out out/mqar_report
     torchrun --nproc_per_node=2 -m subquad.train.cli train listops --method performer
 
 ``train`` and ``evaluate`` take every registered task (:func:`subquad.tasks.list_tasks`); task
@@ -31,7 +33,7 @@ from typing import Any
 from ..cli_base import (add_option_argument, command_parser, deprecated, plain_text, run_command,
                         single_method_options, split_option)
 
-__all__ = ["COMMAND_HELP", "add_parser", "add_data_parser", "add_train_parser", "add_evaluate_parser",
+__all__ = ["COMMAND_HELP", "add_parser", "add_data_parser", "add_train_parser", "add_evaluate_parser", "task_options",
            "method_options", "parse_method_options", "build_parser", "main"]
 
 PROG = "python -m subquad.train.cli"
@@ -211,13 +213,35 @@ def add_train_parser(subparsers) -> list[argparse.ArgumentParser]:
 
 
 def _add_report_parser(sub) -> None:
-    """``train report RUNS --out DIR``: the table and validation curves of finished and running runs."""
+    """``train report RUNS``: the tables and figures of finished and running runs (subquad.train.report)."""
     p = sub.add_parser("report", help="the table and validation curves of a folder of runs",
-                       description="Write report.md (each run's test metric, mean and spread per group of "
-                       "seeds; a run still going: its step and last validation value) and val_curves.png "
-                       "(every run's validation curve) for the training runs under RUNS (subquad.train.report).")
+                       description="The table and the figure of the training runs under RUNS (subquad.train.report). "
+                       "--table groups (default): each run's test metric, mean and spread per group of seeds (a run "
+                       "still going: its step and last validation value); --table runs: one row per run, test metric "
+                       "of the final and best-validation model, best validation, last validation loss, s/step, wall "
+                       "time, then best and median over seeds. --sweep FILE: the metric at each value of each run's "
+                       "FILE (`subquad evaluate --sweep ... --json FILE`), e.g. MQAR's recall by pairs. The figure: "
+                       "every validation curve, or with --sweep the metric against the swept value.")
     p.add_argument("runs", type=Path, metavar="RUNS", help="a folder of run directories, e.g. runs/digit_scenes")
-    p.add_argument("--out", type=Path, required=True, help="where report.md and val_curves.png go")
+    p.add_argument("--out", type=Path, help="write report.md and the figure (val_curves.png, or sweep.png) here")
+    p.add_argument("--table", choices=("groups", "runs"), default="groups", help="default: %(default)s")
+    p.add_argument("--glob", metavar="PATTERN", help="only the run directories matching PATTERN under RUNS "
+                   "(e.g. '*': the top level); default: every directory with a metrics.csv")
+    p.add_argument("--sweep", metavar="FILE", help="a table of the metric at each value in each run's FILE, "
+                   "e.g. recall.json")
+    p.add_argument("--sweep-label", default="", metavar="TEXT", help="the swept option's name in the column "
+                   "heads, e.g. P (columns 'n256 P=16')")
+    p.add_argument("--evaluate", action="store_true", help="test metrics from model.pt and best.pt evaluated again "
+                   "as `subquad evaluate` does (default: results.json's)")
+    p.add_argument("--data", help="with --evaluate: the data directory of a task that reads files "
+                   "(default: out/data/TASK)")
+    p.add_argument("--doc", type=Path, metavar="FILE", help="write the table into FILE between "
+                   "<!-- MARKER:begin --> and <!-- MARKER:end --> (with --marker)")
+    p.add_argument("--marker", metavar="NAME", help="the marker name of --doc")
+    p.add_argument("--plot", type=Path, metavar="FILE", help="the figure's path (default: in --out)")
+    p.add_argument("--title", help="the figure's title")
+    p.add_argument("--reference", action="append", default=[], metavar="LABEL=PERCENT",
+                   help="a horizontal line on the validation curves (repeatable), e.g. 'published (37.10)=37.10'")
     p.set_defaults(func=run_report, subparser=p, task=None)
 
 
@@ -226,13 +250,38 @@ def run_report(args: argparse.Namespace) -> int:
 
     if not args.runs.is_dir():
         args.subparser.error(f"RUNS {str(args.runs)!r} is not a directory")
-    command = " ".join(["subquad train report", *(shlex.quote(a) for a in (str(args.runs), "--out", str(args.out)))])
+    if args.out is None and args.doc is None and args.plot is None:
+        args.subparser.error("give --out DIR, --doc FILE --marker NAME or --plot FILE")
+    references = []
+    for spec in args.reference:
+        label, sep, value = spec.rpartition("=")
+        try:
+            references.append((label, float(value)))
+        except ValueError:
+            sep = ""
+        if not sep or not label:
+            args.subparser.error(f"--reference {spec!r} is not LABEL=PERCENT")
     try:
-        paths = write_report(args.runs, args.out, command)
-    except FileNotFoundError as e:
+        paths = write_report(args.runs, args.out, _report_command(args),
+                             table=args.table, glob=args.glob, sweep=args.sweep, sweep_label=args.sweep_label,
+                             evaluate=args.evaluate, data_dir=args.data, doc=args.doc, marker=args.marker,
+                             plot=args.plot, title=args.title, references=tuple(references),
+                             log=lambda line: print(line, file=sys.stderr, flush=True))
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
         args.subparser.error(str(e))
     print("\n".join(f"wrote {p}" for p in paths))
     return 0
+
+
+def _report_command(args: argparse.Namespace) -> str:
+    """The ``subquad train report`` command line of parsed arguments, for report.md."""
+    words = ["subquad", "train", "report", str(args.runs)]
+    for flag, value in (("--table", None if args.table == "groups" else args.table), ("--glob", args.glob),
+                        ("--sweep", args.sweep), ("--sweep-label", args.sweep_label or None), ("--data", args.data),
+                        ("--out", args.out), ("--doc", args.doc), ("--marker", args.marker), ("--plot", args.plot),
+                        ("--title", args.title), *(("--reference", r) for r in args.reference)):
+        words += [] if value is None else [flag, str(value)]
+    return shlex.join(words + (["--evaluate"] if args.evaluate else []))
 
 
 def _add_data_argument(p: argparse.ArgumentParser, task: str) -> None:
@@ -332,9 +381,21 @@ def _add_run_arguments(r, preset: str) -> None:
                    help="TensorBoard logs (default: when installed)")
 
 
+def task_options(specs: list[str]) -> dict[str, Any]:
+    """``["num_pairs=32"]`` (the ``-t`` arguments) -> ``{"num_pairs": 32}``."""
+    from ..cli_base import parse_value
+
+    options = {}
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        if not sep or not name:
+            raise ValueError(f"task option {spec!r} is not NAME=VALUE")
+        options[name.strip()] = parse_value(value)
+    return options
+
+
 def config_from_args(args: argparse.Namespace):
     """The :class:`TrainConfig` of parsed ``train TASK`` arguments."""
-    from ..cli_base import parse_value
     from ..models.encoder import check_method
     from ..train.config import TrainConfig
 
@@ -352,14 +413,9 @@ def config_from_args(args: argparse.Namespace):
         "grad_clip": args.grad_clip, "pad_to": args.pad_to, "eval_every": args.eval_every,
         "batching": args.batching, "bucket_pool": args.bucket_pool,
     }
-    task_options = {}
-    for spec in args.task_option:
-        name, sep, value = spec.partition("=")
-        if not sep or not name:
-            raise ValueError(f"task option {spec!r} is not NAME=VALUE")
-        task_options[name.strip()] = parse_value(value)
     return TrainConfig.from_preset(
-        args.preset, task=args.task, task_options=task_options, method=args.method, method_options=options,
+        args.preset, task=args.task, task_options=task_options(args.task_option), method=args.method,
+        method_options=options,
         data_dir=args.data, out_dir=args.out or f"out/{args.task}/{args.method}", eval_samples=args.eval_samples,
         checkpoint_every=args.checkpoint_every, log_every=args.log_every, seed=args.seed,
         threads=args.threads,
@@ -371,24 +427,18 @@ def config_from_args(args: argparse.Namespace):
 def run_train(args: argparse.Namespace) -> int:
     from ..tasks import make_task
     from ..train.trainer import train
+    from .evaluation import check_data
 
     try:
         cfg = config_from_args(args)
         cfg.validate()
         _check_model(cfg)
-        _check_data(make_task(cfg.task, cfg.task_options), cfg.data_dir)
+        check_data(make_task(cfg.task, cfg.task_options), cfg.data_dir)
         train(cfg)
     except (ValueError, TypeError, FileNotFoundError, NotImplementedError, FloatingPointError) as e:
         print(f"train {args.task}: error: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-def _check_data(task, data_dir: str) -> None:
-    """A task that reads files needs its data directory."""
-    hint = task.data_hint(data_dir)
-    if hint and not Path(data_dir).is_dir():
-        raise FileNotFoundError(f"data directory {data_dir!r} does not exist; create it with {hint}")
 
 
 def _check_model(cfg) -> None:
@@ -412,6 +462,13 @@ def add_evaluate_parser(subparsers) -> list[argparse.ArgumentParser]:
         p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
         p.add_argument("--device", default="cpu", help="default: %(default)s")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        p.add_argument("-t", "--task-option", action="append", default=[], metavar="NAME=VALUE",
+                       help="evaluate with this task option changed from the run's (repeatable), e.g. -t num_pairs=32")
+        p.add_argument("--sweep", metavar="NAME=V1,V2,...",
+                       help="evaluate at each value of one task option, e.g. --sweep num_pairs=16,32,64: one line "
+                            "per value, then the JSON object {value: scores}")
+        p.add_argument("--json", metavar="FILE", help="also write the last line's JSON object to FILE (with "
+                       "--sweep: what `subquad train report --sweep FILE` reads, e.g. RUN/recall.json)")
         p.set_defaults(func=run_evaluate)
     return parsers
 
@@ -421,38 +478,46 @@ def run_evaluate(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ..tasks import make_task
-    from ..train.model_file import load_model
-    from ..train.trainer import evaluate_scores
+    from ..tasks import get_task
+    from .evaluation import evaluate_checkpoint, parse_sweep, sweep_checkpoint
 
     try:
         if args.threads is not None:
             if args.threads <= 0:
                 raise ValueError(f"--threads must be positive, got {args.threads}")
             torch.set_num_threads(args.threads)
-        model, cfg, saved = load_model(args.checkpoint, device=args.device)
-        if cfg.task != args.task:
-            raise ValueError(f"{args.checkpoint!r} is a model of task {cfg.task!r}; use `evaluate {cfg.task}`")
-        task = make_task(cfg.task, cfg.task_options)
-        _check_data(task, args.data)
-        data = getattr(task.load(args.data, None), args.split)
         progress = not args.no_progress
         if progress:
             try:
                 import tqdm  # noqa: F401
             except ImportError:
                 progress = False
-        scores = evaluate_scores(model, cfg, data, progress=progress)
+        kwargs = dict(data_dir=args.data, split=args.split, task_options=task_options(args.task_option),
+                      task=args.task, device=args.device, progress=progress)
+        task = get_task(args.task)
+        if args.sweep:
+            option, values = parse_sweep(args.sweep)
+            out = sweep_checkpoint(args.checkpoint, option, values, **kwargs)
+            lines = [f"{option}={value}: {_scores_line(task, args.split, s)}" for value, s in out.items()]
+        else:
+            out = evaluate_checkpoint(args.checkpoint, **kwargs)
+            lines = [f"{_scores_line(task, args.split, out)} ({out['method']}, step {out['step']})"]
+            out = {k: v for k, v in out.items() if k != "task_options"}
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     except (ValueError, TypeError, FileNotFoundError, RuntimeError, KeyError) as e:
         print(f"evaluate {args.task}: error: {e}", file=sys.stderr)
         return 2
-    shown = "".join(f", {name} {100 * scores[name]:.2f}%" for name in task.scores)
-    print(f"{args.split} accuracy {100 * scores['accuracy']:.2f}%{shown}, loss {scores['loss']:.4f} on {scores['n']} "
-          f"{'labels' if task.per_token else 'samples'} ({cfg.method}, step {int(saved.get('step', -1))})")
-    print(json.dumps({**scores, "method": cfg.method,
-                      "method_options": cfg.method_options, "step": int(saved.get("step", -1)),
-                      "split": args.split, "checkpoint": str(args.checkpoint)}))
+    print("\n".join(lines))
+    print(json.dumps(out))
     return 0
+
+
+def _scores_line(task, split: str, scores: dict[str, Any]) -> str:
+    """``test accuracy 37.65%, loss 1.6973 on 2000 samples``, with the task's own scores."""
+    shown = "".join(f", {name} {100 * scores[name]:.2f}%" for name in task.scores)
+    return (f"{split} accuracy {100 * scores['accuracy']:.2f}%{shown}, loss {scores['loss']:.4f} on {scores['n']} "
+            f"{'labels' if task.per_token else 'samples'}")
 
 
 # --------------------------------------------------------------------------- standalone
