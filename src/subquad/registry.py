@@ -114,6 +114,11 @@ class MethodInfo:
     #: every sparse method, so they compare at equal cost
     budget_options: Callable[[Any, int], dict[str, Any]] | None = dataclasses.field(default=None, repr=False,
                                                                                    compare=False)
+    #: ``expected_keys(q, k, causal, options) -> (B, H, N)``: for a method whose number of keys a
+    #: query attends is random or set by the inputs (magicpig's hashed sample), the expected number
+    #: each query attends on these q and k (the full options dataclass); ``subquad compare --source
+    #: smollm`` reports it as the row's keys per query
+    expected_keys: Callable[..., Tensor] | None = dataclasses.field(default=None, repr=False, compare=False)
     #: ``learned_init(options, num_heads, head_dim) -> {option name: tensor}``: the tensors a method
     #: learns, which its op takes as options, at their initial values (hedgehog's feature maps); a
     #: layer (:class:`subquad.layers.AttentionCore`, a retrofit) keeps them as parameters
@@ -261,6 +266,7 @@ def register_method(
     decode_state: Callable[[Any], Any] | None = None,
     budget_options: Callable[[Any, int], dict[str, Any]] | None = None,
     quality_reference: bool = False,
+    expected_keys: Callable[..., Tensor] | None = None,
     context_parallel: Callable[..., Tensor] | None = None,
 ) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
     """Decorator: register ``impl(q, k, v, key_padding_mask, causal, scale, **options)`` (or, when it
@@ -304,7 +310,7 @@ def register_method(
                     fullgraph_with_padding=fullgraph_with_padding, length_multiple=length_multiple, exact=exact,
                     logit_scale=logit_scale, query_local=query_local, fixed_draw=fixed_draw,
                     kernel_features=kernel_features, learned_init=learned_init, decode_state=decode_state,
-                    budget_options=budget_options, quality_reference=quality_reference,
+                    budget_options=budget_options, quality_reference=quality_reference, expected_keys=expected_keys,
                     context_parallel=context_parallel)
         return op
 

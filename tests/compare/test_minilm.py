@@ -75,6 +75,21 @@ def test_budgets_add_the_sparse_methods_at_shares_of_the_keys(model, monkeypatch
     json.dumps(res["rows"])  # the results file takes them
 
 
+def test_limits_add_the_reference_rows_on_real_and_random_inputs(model, monkeypatch):
+    """--limits: uniform, rank-r and block-local rows at each --budgets share, measured on the
+    capture and on the random inputs like a method's row; the rank-r limit falls with r and is
+    exact at r = N."""
+    monkeypatch.setattr(minilm, "load_minilm", lambda: model)
+    config = Config(methods=["softmax"], budgets=[0.125, 0.5, 1.0], limits=True)
+    res = source_minilm.run(config, text=SHORT, show_progress=False)
+    rows = {r["method"]: r for r in res["rows"]}
+    assert {"uniform (mean of the visible values)", "rank-r limit @ 12.5%", "block-local @ 50%"} <= set(rows)
+    r = [rows[f"rank-r limit @ {share}%"] for share in ("12.5", "50", "100")]
+    assert r[0]["real_mean"] > r[1]["real_mean"] > r[2]["real_mean"] and r[2]["real_mean"] < 1e-9
+    assert len(r[0]["real"]) == 6 and r[0]["random_mean"] > 0
+    assert "Reference rows (`--limits`" in source_minilm.markdown_minilm(res, [])
+
+
 def test_cli_writes_the_fidelity_report(model, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(minilm, "load_minilm", lambda: model)
     text = tmp_path / "text.txt"

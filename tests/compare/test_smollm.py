@@ -16,7 +16,7 @@ from conftest import run_cli
 import subquad
 from subquad.compare import source_smollm
 from subquad.compare.common import Config
-from subquad.compare.fidelity import exact_reference, relative_error
+from subquad.compare.fidelity import attention_sharpness, exact_reference, relative_error
 from subquad.data import smollm
 
 
@@ -153,6 +153,47 @@ def test_budgets_give_every_sparse_method_the_same_keys(monkeypatch, tmp_path):
     assert [p.name for p in source_smollm.plot_smollm(res, tmp_path)] == ["smollm_error.png", "smollm_budgets.png"]
 
 
+def test_limits_add_the_reference_rows_the_sharpness_and_per_layer_tables(monkeypatch):
+    """--limits: uniform, rank-r and block-local rows at each --budgets share, on the causal capture,
+    beside the methods; the sharpness per N; report.md's per-layer tables; config.layers picks the
+    captured layers."""
+    monkeypatch.setattr(smollm, "cached_capture", _fake_capture)
+    config = Config(ns=[64], methods=["softmax", "linear"], budgets=[0.125, 1.0], limits=True, layers=[2, 7])
+    res = source_smollm.run(config, show_progress=False)
+    assert res["layers"] == [2, 7]
+    point = res["points"][0]
+    errors = point["errors"]
+    assert {"rank-r limit @ 12.5%", "block-local @ 12.5%", "uniform (mean of the visible values)"} <= set(errors)
+    assert errors["rank-r limit @ 100%"]["mean"] < 1e-9 and errors["block-local @ 100%"]["mean"] < 1e-9
+    assert errors["rank-r limit @ 12.5%"]["mean"] > 1e-3 and len(errors["linear"]["per_head"][0][0]) == 9
+    cap = _fake_capture(64, [2, 7])
+    want = [attention_sharpness(cap["q"][i], cap["k"][i], 0.25, causal=True, top=64) for i in range(2)]
+    for key in ("entropy", "mean_max_weight"):
+        assert [x[key] for x in point["sharpness"]["per_layer"]] == pytest.approx([x[key] for x in want])
+    md = source_smollm.markdown_smollm(res, [])
+    assert "## Per layer" in md and "| row | mean | L2 | L7 |" in md and "| sharpness: entropy (nats) |" in md
+    assert "sharpness of exact attention" in source_smollm.summary_text(res) and "`rank-r limit @ F%`" in md
+
+
+def test_magicpig_rows_report_their_keys_per_query(monkeypatch):
+    """A method whose registry entry has ``expected_keys`` (magicpig) gets a keys-per-query column:
+    the mean over layers, heads and queries of its expected keys, and the last quarter's."""
+    monkeypatch.setattr(smollm, "cached_capture", _fake_capture)
+    config = Config(ns=[96], methods=["softmax", "magicpig"], sweeps=[["magicpig", "num_bits", [2]]])
+    point = source_smollm.run(config, layers=[0], show_progress=False)["points"][0]
+    keys = point["keys_per_query"]
+    assert set(keys) == {"magicpig", "magicpig num_bits=2"}
+    cap = _fake_capture(96, [0])
+    info = subquad.get_method("magicpig")
+    want = info.expected_keys(cap["q"][0], cap["k"][0], True, info.make_options(num_bits=2))
+    assert keys["magicpig num_bits=2"]["mean"] == pytest.approx(want.mean().item())
+    assert keys["magicpig num_bits=2"]["last_quarter"] == pytest.approx(want[..., 72:].mean().item())
+    assert keys["magicpig num_bits=2"]["mean"] > keys["magicpig"]["mean"]  # shorter codes collide more
+    headers, body = source_smollm._table({"points": [point]})
+    assert headers[-1] == "keys per query at N = 96 (last quarter)"
+    assert {row[0]: row[-1] for row in body}["softmax"] == ""
+
+
 def test_sweep_rows_take_each_value_and_bad_values_fail_the_row(monkeypatch):
     """--sweep METHOD.OPTION=a,b: one row per value, with the method's other options; a value the
     method refuses with the others fails its row alone."""
@@ -219,7 +260,9 @@ def test_compare_cli_checks_smollm_arguments(capsys, monkeypatch):
     code, _, err = run_cli(["compare", "--source", "smollm", "--n", "2048", "9000"], capsys)
     assert code == 2 and "8192" in err
     code, _, err = run_cli(["compare", "--budgets", "0.1"], capsys)
-    assert code == 2 and "add --source smollm or minilm" in err
+    assert code == 2 and "add --source smollm, minilm or synthetic" in err
+    code, _, err = run_cli(["compare", "--source", "smollm", "--layers", "0", "30"], capsys)
+    assert code == 2 and "layers 0-29" in err
     code, _, err = run_cli(["compare", "--source", "smollm", "--budgets", "0", "0.1"], capsys)
     assert code == 2 and "in (0, 1]" in err
     code, _, err = run_cli(["compare", "--perplexity", "--source", "minilm"], capsys)

@@ -9,7 +9,8 @@ import torch
 import subquad
 from conftest import qkv
 from test_topk import _mask  # the same padding pattern as the topk tests
-from subquad.ops.magicpig import collision_log_probability, draw_hyperplanes, magicpig_attention, simhash_codes
+from subquad.ops.magicpig import (collision_log_probability, draw_hyperplanes, expected_keys, magicpig_attention,
+                                  simhash_codes)
 from subquad.ops.magicpig.naive import magicpig_attention_reference
 from subquad.ops.softmax.naive import softmax_attention_reference
 
@@ -156,6 +157,24 @@ def test_each_key_is_sampled_with_probability_u():
     cos = (q[0, 0] / q[0, 0].norm()) @ (k[0, 0] / k[0, 0].norm(dim=-1, keepdim=True)).T
     u = collision_log_probability(cos[0], 2, 4, 2).exp()
     assert ((kept - u).abs() <= 4.5 * (u * (1 - u) / draws).sqrt() + 1e-3).all(), (kept, u)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_expected_keys_is_the_mean_count_of_keys_kept(causal):
+    """The registry's ``expected_keys``: over many draws, the mean number of keys a query keeps
+    (one-hot values show them), static keys included."""
+    q, k, _ = qkv(1, 1, 7, 8)
+    v = torch.eye(7, dtype=q.dtype)[None, None]
+    opts = {"num_bits": 2, "num_tables": 4, "sinks": 1, "local": 2}
+    draws = 400
+    g = torch.Generator().manual_seed(0)
+    kept = sum((magicpig_attention(q, k, v, causal=causal, generator=g, **opts)[0, 0] > 0).double()
+               for _ in range(draws)) / draws  # (N, M): the share of draws that kept each key
+    want = expected_keys(q, k, causal, subquad.get_method("magicpig").make_options(**opts))[0, 0]
+    assert subquad.get_method("magicpig").expected_keys is expected_keys
+    assert want.shape == (7,) and (want >= 1).all()
+    spread = (kept * (1 - kept)).sum(-1).div(draws).sqrt()
+    assert ((kept.sum(-1) - want).abs() <= 4.5 * spread + 1e-3).all(), (kept.sum(-1), want)
 
 
 def test_bf16_autocast_runs_in_float32():

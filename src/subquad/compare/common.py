@@ -23,7 +23,7 @@ from torch import Tensor
 
 import subquad
 
-from .fidelity import exact_reference, relative_error
+from .fidelity import exact_reference, head_errors
 from .workload import forward_call, make_qkv
 
 __all__ = ["Config", "exact_method", "is_exact", "machine_info", "machine_load", "source_state", "progress_bar",
@@ -73,6 +73,21 @@ class Config:
     rounds: int = 0
     # run each method's tests against its naive reference before timing it (subquad.compare.gate)
     gate: bool = True
+    # --limits (--source smollm, minilm, synthetic): the reference rows of subquad.compare.limits
+    limits: bool = False
+    # --source smollm: the captured layers (None: subquad.data.smollm.default_layers())
+    layers: list[int] | None = None
+    # --source synthetic: the input families and the seeds each is drawn with
+    families: list[str] = field(default_factory=list)
+    seeds: int = 1
+    # the random-input timing run: attention with causal=True (exact attention: SDPA's causal kernel)
+    causal: bool = False
+    # beside each method, the same method through torch.compile (a "METHOD compiled" row)
+    compile: bool = False
+    # this many neighbour processes keep a core busy while the points are measured
+    busy: int = 0
+    # --objective decode: single-token steps timed after a prefill of N tokens
+    decode_steps: int = 32
     out: str | None = None
     command: str = ""
 
@@ -165,13 +180,14 @@ def random_inputs(config: Config, dtype: torch.dtype, device: torch.device, bar,
                   reference: bool = True) -> Iterator[tuple[int, Tensor, Tensor, Tensor, Tensor | None]]:
     """``(n, q, k, v, reference)`` for each length of ``config``, shortest first: i.i.d. N(0, 1)
     q, k, v ``(B, H, n, D)`` seeded with ``config.seed + n``, and exact attention on them in
-    float64 (announced on ``bar`` while it is computed; None when not ``reference``)."""
+    float64, causal with ``config.causal`` (announced on ``bar`` while it is computed; None when
+    not ``reference``)."""
     for n in sorted(config.ns):
         q, k, v = make_qkv(config.batch, config.heads, n, config.dim, dtype=dtype, device=device,
                            seed=config.seed + n)
         if reference:
             bar.set_postfix_str(f"N={n}: exact float64 reference")
-        reference_out = exact_reference(q, k, v) if reference else None
+        reference_out = exact_reference(q, k, v, causal=config.causal) if reference else None
         yield n, q, k, v, reference_out
         del reference_out
 
@@ -221,14 +237,15 @@ def method_errors(attention: list, inputs: list[tuple], refs: list, config: Conf
                   call: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Each method's relative error on every layer's ``(q, k, v)`` (all heads) against ``refs``, with
     the options of ``config`` and the arguments ``call`` (such as ``causal``, ``scale``), stochastic
-    methods seeded with ``config.seed + layer``: ``{method: {"per_layer", "mean", "failure"}}``,
-    ``mean`` over layers. ``attention``: registry entries, or ``(label, info, options)`` rows
+    methods seeded with ``config.seed + layer``: ``{method: {"per_layer", "per_head", "mean",
+    "failure"}}``, ``mean`` over layers, ``per_head`` each layer's errors per item and head.
+    ``attention``: registry entries, or ``(label, info, options)`` rows
     (:func:`comparison_rows`; options that are an exception: the row fails with it). A method that
     raises keeps the layers it finished, ``failure`` its message and a None mean; the others go on."""
     out = {}
     for row in attention:
         label, info, own = row if isinstance(row, tuple) else (row.name, row, config.options.get(row.name, {}))
-        entry: dict[str, Any] = {"per_layer": [], "mean": None, "failure": None}
+        entry: dict[str, Any] = {"per_layer": [], "per_head": [], "mean": None, "failure": None}
         if isinstance(own, Exception):
             entry["failure"] = f"{type(own).__name__}: {own}"[:300]
             bar.update(len(inputs))
@@ -239,8 +256,9 @@ def method_errors(attention: list, inputs: list[tuple], refs: list, config: Conf
             for i, (qkv, ref) in enumerate(zip(inputs, refs)):
                 bar.set_postfix_str(f"{label}: layer {i + 1} {what}")
                 with torch.no_grad():
-                    entry["per_layer"].append(relative_error(forward_call(info, *qkv, options, seed=config.seed + i)(),
-                                                             ref))
+                    total, heads = head_errors(forward_call(info, *qkv, options, seed=config.seed + i)(), ref)
+                entry["per_layer"].append(total)
+                entry["per_head"].append(heads)
                 bar.update(1)
             entry["mean"] = sum(entry["per_layer"]) / len(entry["per_layer"])
         except Exception as e:  # noqa: BLE001 (reported, the run goes on)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["exact_reference", "relative_error", "attention_sharpness"]
+__all__ = ["exact_reference", "relative_error", "head_errors", "attention_sharpness"]
 
 # bytes of one (B, H, rows, M) block of float64 logits
 _BLOCK_BYTES = 1 << 28
@@ -53,6 +53,15 @@ def relative_error(out: Tensor, reference: Tensor) -> float:
     """``|out - ref|_F / |ref|_F`` over the whole tensor, in float64."""
     ref = reference.double()
     return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def head_errors(out: Tensor, reference: Tensor) -> tuple[float, list[list[float]]]:
+    """The relative error over the whole ``(B, H, N, Dv)`` tensor (:func:`relative_error`), and that
+    of each head: ``(total, [[error of head h of item b] for b])``, in float64."""
+    ref = reference.double()
+    diff = (out.double() - ref).pow(2).sum(dim=(2, 3))
+    norm = ref.pow(2).sum(dim=(2, 3))
+    return (diff.sum() / norm.sum()).sqrt().item(), (diff / norm).sqrt().tolist()
 
 
 def attention_sharpness(q: Tensor, k: Tensor, scale: float | None = None,

@@ -22,6 +22,7 @@ from ..data import minilm
 from .common import (Config, Renderer, attention_methods, comparison_rows, fmt_error, is_exact, machine_info,
                      md_table, method_errors, progress_bar, register_renderer, text_table)
 from .fidelity import attention_sharpness, exact_reference
+from .limits import limit_rows
 from .workload import DTYPES, make_qkv
 
 __all__ = ["capture_errors", "run", "summary_text", "markdown_minilm", "plot_minilm", "RENDERER"]
@@ -101,6 +102,10 @@ def run(config: Config, text: str | None = None, *, show_progress: bool = True) 
         bar.close()
     rows = [_row(label, options if isinstance(options, dict) else {}, on_real[label], on_random[label])
             for label, _, options in specs]
+    if config.limits:  # the reference rows, on both inputs
+        limits = [limit_rows(x, refs, config.budgets, seed=config.seed)
+                  for x, refs in ((real, ref_real), (rand, ref_rand))]
+        rows += [_row(label, {}, limits[0][label], limits[1][label]) for label in limits[0]]
 
     def mean(xs, key):
         return sum(x[key] for x in xs) / len(xs)
@@ -168,7 +173,11 @@ def markdown_minilm(res: dict[str, Any], images: list[str]) -> str:
            f"Command: `{c['command']}`", "",
            "Relative error `|out - exact|_F / |exact|_F` against exact attention in float64, per layer over "
            "all heads; the random column is the mean over one i.i.d. N(0, 1) draw per layer with the same "
-           "shape. Stochastic methods use one seeded draw per layer.", "",
+           "shape. Stochastic methods use one seeded draw per layer."
+           + (" Reference rows (`--limits`, `subquad.compare.limits`): `uniform`, the mean of the values; "
+              "`rank-r limit @ F%`, the best rank-r approximation of each head's exact attention matrix times V, "
+              "r = round(F N); `block-local @ F%`, exact attention inside the query's own block of round(F N) keys."
+              if c.get("limits") else ""), "",
            md_table(headers, body)]
     if images:
         out += ["", *(f"![{Path(p).stem}]({p})" for p in images)]

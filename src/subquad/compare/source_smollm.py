@@ -3,7 +3,8 @@ SmolLM2-135M-Instruct at up to 8192 tokens (captured by :mod:`subquad.data.smoll
 against exact causal attention in float64; with ``--perplexity``, also the model itself with each
 row's attention in every layer (:func:`subquad.hf.retrofit`, zero-shot) on the same tokens: its
 perplexity, the greedy next tokens it shares with the model's own attention, and its forward's
-seconds. ``benchmarks/long_fidelity.py`` measures the limits.
+seconds. With ``--limits`` (:mod:`subquad.compare.limits`) the same tables also hold the rank-r,
+block-local and uniform reference rows, and the sharpness of the exact attention.
 """
 
 from __future__ import annotations
@@ -24,20 +25,22 @@ from .common import (Config, Renderer, attention_methods, comparison_rows, fmt_e
                      md_table, method_errors, progress_bar, register_renderer, text_table)
 from .fidelity import exact_reference
 from .gate import verdicts
+from .limits import limit_rows, sharpness_rows, sharpness_table
 
-__all__ = ["run", "summary_text", "markdown_smollm", "plot_smollm", "RENDERER"]
+__all__ = ["run", "keys_per_query", "summary_text", "markdown_smollm", "plot_smollm", "RENDERER"]
 
 
 def run(config: Config, *, layers: Sequence[int] | None = None, cache_dir: str | Path = smollm.CACHE_DIR,
         show_progress: bool = True) -> dict[str, Any]:
     """Every causal attention method's error on SmolLM2's Q, K, V at each ``config.ns`` (at most
     8192): per layer over all heads against exact causal attention in float64, ``"mean"`` over the
-    ``layers`` (default :func:`subquad.data.smollm.default_layers`), captures from
+    ``layers`` (default ``config.layers``, else :func:`subquad.data.smollm.default_layers`), captures from
     :func:`subquad.data.smollm.cached_capture`."""
     from .workload import DTYPES
 
     start = time.time()
     device, dtype = torch.device(config.device), DTYPES[config.dtype]
+    layers = layers if layers is not None else config.layers
     layers = smollm.default_layers() if layers is None else smollm.check_request(1, layers)
     attention, notes = attention_methods(config, causal=True)
     rows = len(comparison_rows(attention, config, 1))
@@ -56,10 +59,15 @@ def run(config: Config, *, layers: Sequence[int] | None = None, cache_dir: str |
             cap = smollm.cached_capture(n, layers, cache_dir=cache_dir, log=bar.write)
             inputs = [tuple(t[i].to(device, dtype) for t in (cap["q"], cap["k"], cap["v"])) for i in range(len(layers))]
             refs = [exact_reference(*x, cap["scale"], causal=True) for x in inputs]
-            errors = method_errors(comparison_rows(attention, config, n), inputs, refs, config, bar, f"N={n}",
-                                   call=smollm.call_arguments(cap))
+            specs = comparison_rows(attention, config, n)
+            errors = method_errors(specs, inputs, refs, config, bar, f"N={n}", call=smollm.call_arguments(cap))
             points.append({"n": n, "capture_check": cap["check"], "capture_seconds": cap["seconds"],
-                           "cached_layers": cap["cached"], "errors": errors})
+                           "cached_layers": cap["cached"], "errors": errors,
+                           "keys_per_query": keys_per_query(specs, inputs, causal=True)})
+            if config.limits:
+                points[-1]["sharpness"] = sharpness_rows(inputs, scale=cap["scale"], causal=True)
+                errors.update(limit_rows(inputs, refs, config.budgets, scale=cap["scale"], causal=True, bar=bar,
+                                         seed=config.seed))
             del inputs, refs
             if config.perplexity:
                 points[-1]["perplexity"] = perplexities(_gated(comparison_rows(attention, config, n), gates), n,
@@ -70,6 +78,24 @@ def run(config: Config, *, layers: Sequence[int] | None = None, cache_dir: str |
             "text": cap.get("text"), "layers": layers, "heads": cap.get("heads"), "kv_heads": cap.get("kv_heads"),
             "head_dim": cap.get("head_dim"), "scale": cap.get("scale"), "cache_dir": str(cache_dir),
             "points": points, "notes": notes, "seconds": time.time() - start}
+
+
+def keys_per_query(rows: list, inputs: list[tuple], causal: bool) -> dict[str, dict[str, Any]]:
+    """For each ``(label, info, options)`` row whose method reports it (its registry entry's
+    ``expected_keys``), the keys a query attends in expectation on every layer's ``(q, k, v)``:
+    ``{label: {"per_layer", "mean", "last_quarter"}}``, means over items, heads and queries
+    (``last_quarter``: the queries from 3N/4 on, which see the most keys when ``causal``)."""
+    out = {}
+    for label, info, options in rows:
+        if info.expected_keys is None or isinstance(options, Exception):
+            continue
+        o = info.make_options(**options)
+        counts = [info.expected_keys(q, k, causal, o) for q, k, _ in inputs]
+        per_layer = [c.mean().item() for c in counts]
+        late = [c[..., 3 * c.shape[-1] // 4:].mean().item() for c in counts]
+        out[label] = {"per_layer": per_layer, "mean": sum(per_layer) / len(per_layer),
+                      "last_quarter": sum(late) / len(late)}
+    return out
 
 
 def _gated(rows: list, gates: dict[str, dict[str, Any]]) -> list:
@@ -179,12 +205,39 @@ def _table(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         e = points[-1]["errors"][name]["mean"]
         return (e is None, e or 0.0)
 
+    counted = [p for p in points if p.get("keys_per_query")]  # a column for each N with a method that reports it
     body = []
     for name in sorted(names, key=last):
         cells = [fmt_error(p["errors"][name]["mean"]) if p["errors"][name]["failure"] is None
                  else f"FAILED: {p['errors'][name]['failure']}" for p in points]
-        body.append([name, *cells])
-    return ["method", *(f"N = {p['n']}" for p in points)], body
+        keys = [p["keys_per_query"].get(name) for p in counted]
+        body.append([name, *cells, *(f"{k['mean']:.0f} ({k['last_quarter']:.0f})" if k else "" for k in keys)])
+    return ["method", *(f"N = {p['n']}" for p in points),
+            *(f"keys per query at N = {p['n']} (last quarter)" for p in counted)], body
+
+
+def _sharpness_table(res: dict[str, Any]) -> tuple[list[str], list[list[str]]] | None:
+    """``--limits``: how peaked the exact attention rows are at each N, means over layers, heads
+    and queries; None without it."""
+    points = [p for p in res["points"] if "sharpness" in p]
+    return sharpness_table([(f"N = {p['n']}", p["sharpness"]) for p in points]) if points else None
+
+
+def _per_layer_tables(res: dict[str, Any]) -> list[str]:
+    """report.md's per-layer section: at each N, every row's error at each layer (and with
+    ``--limits`` the entropy and top-key weight of each layer)."""
+    out = []
+    for p in res["points"]:
+        body = [[label, fmt_error(e["mean"]), *(fmt_error(x) for x in e["per_layer"])] if e["failure"] is None
+                else [label, "FAILED", *("" for _ in res["layers"])] for label, e in p["errors"].items()]
+        if "sharpness" in p:
+            s = p["sharpness"]
+            body += [[f"sharpness: {what}", f"{s[key]:.3f}", *(f"{x[key]:.3f}" for x in s["per_layer"])]
+                     for what, key in (("entropy (nats)", "entropy"), (f"weight on the {s['top']} largest keys",
+                                                                       "top_mass"))]
+        headers = ["row", "mean", *(f"L{layer}" for layer in res["layers"])]
+        out += ["", f"### N = {p['n']}", "", md_table(headers, body)]
+    return out
 
 
 def _intro(res: dict[str, Any]) -> list[str]:
@@ -197,7 +250,14 @@ def _intro(res: dict[str, Any]) -> list[str]:
             "over all heads, mean over the layers; every method with causal=True and its options."
             + (" A row `M @ F%`: method M with `round(F N)` exact keys a query (its registry entry's "
                "`budget_options`: the same budget for every sparse method; a budget below a method's fixed "
-               "blocks fails)." if res["config"].get("budgets") else "")]
+               "blocks fails)." if res["config"].get("budgets") else "")
+            + (" Reference rows (`--limits`): `uniform`, every query's mean of the values it sees; `rank-r limit @ "
+               "F%`, the best rank-r approximation of each head's exact attention matrix times V, r = round(F N) "
+               "(no method whose attention matrix has rank <= r does better); `block-local @ F%`, exact attention "
+               "inside the query's own block of round(F N) keys." if res["config"].get("limits") else "")
+            + (" Keys per query: the keys a query attends in expectation (the method's registry "
+               "`expected_keys`), mean over layers, heads and queries, and over the last quarter of the queries."
+               if any(p.get("keys_per_query") for p in res["points"]) else "")]
 
 
 def _perplexity_intro(res: dict[str, Any]) -> str:
@@ -210,7 +270,8 @@ def _perplexity_intro(res: dict[str, Any]) -> str:
 
 def summary_text(res: dict[str, Any]) -> str:
     headers, body = _table(res)
-    out = [*_intro(res), "", text_table(headers, body)]
+    sharp = _sharpness_table(res)
+    out = [*_intro(res), "", text_table(headers, body), *(["", text_table(*sharp)] if sharp else [])]
     for p in res["points"] if "perplexity" in (res["points"] or [{}])[0] else ():
         out += ["", f"SmolLM2 perplexity at N = {p['n']}:", text_table(*_perplexity_table(p))]
     return "\n".join([*out, *(f"note: {n}" for n in res["notes"])])
@@ -222,6 +283,8 @@ def markdown_smollm(res: dict[str, Any], images: list[str]) -> str:
     out = ["# subquad compare --source smollm: fidelity on long causal attention", "", *_intro(res), "",
            f"{c['dtype']} on {res['machine']['device']}, torch {res['machine']['torch']}, {res['seconds']:.0f} s. "
            f"Command: `{c['command']}`", "", md_table(headers, body)]
+    sharp = _sharpness_table(res)
+    out += ["", md_table(*sharp)] if sharp else []
     out += ["", *(f"![{Path(p).stem}]({p})" for p in images)] if images else []
     if res["points"] and "perplexity" in res["points"][0]:
         out += ["", "## Perplexity", "", _perplexity_intro(res)]
@@ -230,6 +293,8 @@ def markdown_smollm(res: dict[str, Any], images: list[str]) -> str:
     notes = [*res["notes"], *(f"{m} options: {', '.join(f'{k}={v}' for k, v in o.items())}"
                               for m, o in c["options"].items() if o)]
     out += ["", "## Notes", "", *(f"- {n}" for n in notes)] if notes else []
+    out += ["", "## Per layer", "", "Each row's error at each captured layer (all heads; results.json has each "
+            "head's)."] + _per_layer_tables(res) if res["points"] else []
     return "\n".join(out) + "\n"
 
 

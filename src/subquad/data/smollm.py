@@ -12,8 +12,8 @@ inputs of its causal attention: q and k after the rotary embedding, k and v repe
 query heads of their group, and the scale; exact causal attention on them reproduces the model's
 attention output (before ``o_proj``). :func:`cached_capture` keeps captures on disk (float16),
 since the 8192-token forward takes a while on a CPU. ``subquad compare --source smollm``
-(:mod:`subquad.compare.source_smollm`) measures every causal method's error on them, and
-``benchmarks/long_fidelity.py`` the limits; :func:`long_text` is also the held-out and training
+(:mod:`subquad.compare.source_smollm`) measures every causal method's error on them (with
+``--limits`` also the rank-r limits and the sharpness); :func:`long_text` is also the held-out and training
 prose of ``subquad retrofit`` and the language-model benchmarks.
 """
 

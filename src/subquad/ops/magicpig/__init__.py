@@ -53,8 +53,8 @@ from .._common import check_generator, check_tensor_option
 from .._masks import compute_dtype, compute_precision, drop_padded, masked_fill_value
 from ..topk import visible_logits
 
-__all__ = ["MagicpigOptions", "collision_log_probability", "draw_hyperplanes", "magicpig_attention",
-           "simhash_codes", "static_keys"]
+__all__ = ["MagicpigOptions", "collision_log_probability", "draw_hyperplanes", "expected_keys",
+           "magicpig_attention", "simhash_codes", "static_keys"]
 
 #: bytes of (queries x keys) work tensors formed at once (queries are taken in chunks)
 _CHUNK_BYTES = 1 << 26
@@ -205,6 +205,27 @@ def flops(B, H, N, M, D, Dv, o):
     return 2 * B * H * (N * M * (2 * D + Dv) + (N + M) * hashes * D)
 
 
+def expected_keys(q: Tensor, k: Tensor, causal: bool, o: MagicpigOptions) -> Tensor:
+    """``(B, H, N)`` float64: the keys each query attends in expectation over the hash draws, its
+    static keys plus the sum of ``u`` (the probability that a key is sampled) over its other
+    visible keys; every key real, q ``(B, H, N, D)``, k ``(B, H, M, D)`` (the registry's
+    ``expected_keys``)."""
+    B, H, N, _ = q.shape
+    M = k.shape[2]
+    tables, bits = (o.num_tables, o.num_bits) if o.hyperplanes is None else o.hyperplanes.shape[:2]
+    k_unit = _unit(k.double())
+    step = max(1, _CHUNK_BYTES // max(1, 24 * B * H * M))
+    out = []
+    for a in range(0, N, step):
+        qa = q[:, :, a: a + step].double()
+        static = static_keys(None, a, qa.shape[2], M, causal, o.sinks, o.local, q.device)[0, 0]  # (n, M)
+        at = torch.arange(a, a + qa.shape[2], device=q.device)[:, None]  # the queries' positions
+        visible = (torch.arange(M, device=q.device)[None, :] <= at) | (not causal)
+        u = collision_log_probability(_unit(qa) @ k_unit.mT, bits, tables, o.min_matches).exp()
+        out.append((static & visible).sum(-1) + (u * (visible & ~static)).sum(-1))
+    return torch.cat(out, 2)
+
+
 def _fixed_draw(o: MagicpigOptions, head_dim: int, generator: torch.Generator) -> dict[str, Tensor]:
     """The hash directions ``hyperplanes`` drawn once (a layer keeps them as a buffer)."""
     return {"hyperplanes": draw_hyperplanes(o.num_tables, o.num_bits, head_dim, generator=generator)}
@@ -214,6 +235,7 @@ def _fixed_draw(o: MagicpigOptions, head_dim: int, generator: torch.Generator) -
                  summary="LSH-sampled importance-sampling estimate of softmax attention (MagicPIG)",
                  causal=True, cross_attention=True, complexity="quadratic", flops=flops, query_local=True,
                  stochastic=True, fixed_draw=_fixed_draw, quality_reference=True, core="subquad.layers.drawn:DrawnCore",
+                 expected_keys=expected_keys,
                  # few static keys and short codes, so tiny shapes sample (about a quarter of the
                  # random keys) rather than attend every key
                  test_options={"num_bits": 2, "num_tables": 4, "sinks": 1, "local": 2})
