@@ -31,12 +31,13 @@ from . import flops as flop_counts
 from .common import (Config, Renderer, comparison_rows, error_inputs_label, is_exact, machine_info, machine_load,
                      progress_bar,
                      random_inputs, register_renderer)
+from .decode import WARMUP_TOKENS, decode_time
 from .fidelity import relative_error
 from .gate import verdicts
 from .memory import measure, measure_in_subprocess
 from .recommend import OBJECTIVES, budget_table, recommend
 from .report import leaderboard_text, markdown_compare, write_report
-from .timing import median_time
+from .timing import BusyNeighbours, median_time
 from .workload import DTYPES, forward_backward_call, forward_call, full_options, make_qkv, mixer_module
 
 __all__ = ["Config", "run", "write", "RENDERER", "progress_bar", "machine_info"]
@@ -82,6 +83,12 @@ class _Point:
     row: dict[str, Any]
     module: Any = None  # a token mixer's module, shared by the forward and the backward
     real_error: dict[str, Any] | None = None  # the method's error on real inputs, measured once
+    compiled: bool = False  # a --compile row: the op through torch.compile
+
+    def calls(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`forward_call` and :func:`forward_backward_call` here."""
+        return {"seed": self.config.seed, "module": self.module, "causal": self.config.causal,
+                "compiled": self.compiled}
 
     def stage(self, what: str) -> None:
         self.bar.set_postfix_str(f"N={self.n} {self.row['method']}: {what}")
@@ -93,10 +100,10 @@ def _new_row(info, n: int, user_options: dict[str, Any], label: str | None = Non
     return {
         "n": n, "method": label or info.name, "kind": info.kind, "complexity": info.complexity,
         "stochastic": info.stochastic, "options": user_options, "status": "ok", "errors": {}, "notes": [],
-        "forward_s": None, "forward_runs": None, "forward_spread": None,
+        "forward_s": None, "forward_runs": None, "forward_spread": None, "forward_first_s": None,
         "forward_backward_s": None, "forward_backward_runs": None, "forward_backward_spread": None,
         "forward_bytes": None, "forward_backward_bytes": None, "rel_error": None,
-        "flops": None, "flops_source": None,
+        "flops": None, "flops_source": None, "decode_s": None, "decode_spread": None, "cache_bytes": None,
     }
 
 
@@ -122,7 +129,7 @@ def _probe(p: _Point) -> None:
                            seed=config.seed)
         module = (mixer_module(p.info, config.heads, config.dim, p.user_options, dtype=q.dtype, device=q.device)
                   if p.info.kind == "mixer" else None)
-        fwd = forward_call(p.info, q, k, v, p.user_options, seed=config.seed, module=module)
+        fwd = forward_call(p.info, q, k, v, p.user_options, **{**p.calls(), "module": module})
         with torch.no_grad():
             entry["forward_s"] = median_time(fwd, 0.0, min_runs=1).seconds
     except Exception:  # noqa: BLE001
@@ -185,7 +192,7 @@ def _time_forward(p: _Point) -> tuple[Callable[[], Tensor], Tensor, dict[str, An
         if p.info.kind == "mixer":
             p.module = mixer_module(p.info, config.heads, config.dim, p.user_options, dtype=p.q.dtype,
                                     device=p.q.device)
-        fwd = forward_call(p.info, p.q, p.k, p.v, p.user_options, seed=config.seed, module=p.module)
+        fwd = forward_call(p.info, p.q, p.k, p.v, p.user_options, **p.calls())
         holder: list = [None]
 
         def keep_output():
@@ -195,6 +202,7 @@ def _time_forward(p: _Point) -> tuple[Callable[[], Tensor], Tensor, dict[str, An
         with torch.no_grad():
             timing = median_time(keep_output, config.min_run_time)
         p.row["forward_s"], p.row["forward_runs"], p.row["forward_spread"] = timing.seconds, timing.runs, timing.spread
+        p.row["forward_first_s"] = timing.first
     except Exception as e:  # noqa: BLE001 (a failing method is reported, not fatal)
         p.row["status"] = "failed"
         p.row["errors"]["forward"] = _message(e)
@@ -254,7 +262,7 @@ def _time_backward(p: _Point) -> bool:
         return False
     try:
         p.stage("forward+backward")
-        step = forward_backward_call(p.info, p.q, p.k, p.v, p.user_options, seed=p.config.seed, module=p.module)
+        step = forward_backward_call(p.info, p.q, p.k, p.v, p.user_options, **p.calls())
         timing = median_time(step, p.config.min_run_time)
         p.row["forward_backward_s"], p.row["forward_backward_runs"] = timing.seconds, timing.runs
         p.row["forward_backward_spread"] = timing.spread
@@ -264,12 +272,26 @@ def _time_backward(p: _Point) -> bool:
     return True
 
 
+def _time_decode(p: _Point) -> None:
+    """The per-token decode time after a prefill of N tokens (:mod:`.decode`), on inputs of N plus
+    the warm-up and timed tokens drawn as the point's are."""
+    c = p.config
+    try:
+        p.stage("decoding")
+        extra = WARMUP_TOKENS + c.decode_steps
+        q, k, v = make_qkv(c.batch, c.heads, p.n + extra, c.dim, dtype=p.q.dtype, device=p.q.device,
+                           seed=c.seed + p.n)
+        p.row.update(decode_time(p.info, p.user_options, q, k, v, c.decode_steps))
+    except Exception as e:  # noqa: BLE001
+        p.row["errors"]["decode"] = _message(e)
+
+
 def _memory_spec(p: _Point, n: int, backward: bool) -> dict[str, Any]:
     """What :func:`.memory.measure` runs for this point's method at length ``n``."""
     c = p.config
     return {"method": p.info.name, "options": p.user_options, "batch": c.batch, "heads": c.heads, "n": n,
             "dim": c.dim, "dtype": c.dtype, "device": c.device, "seed": c.seed, "backward": backward,
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "causal": c.causal, "compiled": p.compiled}
 
 
 def _record_memory(p: _Point, backward: bool) -> None:
@@ -291,13 +313,14 @@ def _record_memory(p: _Point, backward: bool) -> None:
 
 
 def _measure_point(row: tuple[str, Any, dict[str, Any]], n: int, q, k, v, reference, config: Config, history, bar,
-                   real_error: dict[str, Any] | None = None) -> dict[str, Any]:
+                   real_error: dict[str, Any] | None = None, compiled: bool = False) -> dict[str, Any]:
     """Every measurement of one (method, N) point, in order: forward time (or a skip), error
-    (against ``reference``, or ``real_error``), FLOPs, forward+backward time, peak memory.
-    ``row``: ``(label, info, options)`` (:func:`~subquad.compare.common.comparison_rows`)."""
+    (against ``reference``, or ``real_error``), FLOPs, forward+backward time, the decode time
+    (``--objective decode``), peak memory. ``row``: ``(label, info, options)``
+    (:func:`~subquad.compare.common.comparison_rows`); ``compiled``: the op through torch.compile."""
     label, info, user_options = row
     p = _Point(info, n, q, k, v, config, history, bar, user_options, _new_row(info, n, user_options, label),
-               real_error=real_error)
+               real_error=real_error, compiled=compiled)
     _probe(p)
     if _skip_slow_forward(p) or _skip_large_forward(p):
         return p.row
@@ -307,8 +330,13 @@ def _measure_point(row: tuple[str, Any, dict[str, Any]], n: int, q, k, v, refere
     fwd, output, options = measured
     _record_error(p, output, reference)
     del measured, output  # the output is not kept through the slower stages
-    _record_flops(p, fwd, options)
+    if config.causal:
+        p.row["notes"].append("causal: no FLOP count (the formulas count every logit)")
+    else:
+        _record_flops(p, fwd, options)
     backward = _time_backward(p)
+    if config.objective == "decode":
+        _time_decode(p)
     if config.memory:
         _record_memory(p, backward)
     if p.row["errors"]:
@@ -324,13 +352,17 @@ def _derived(rows: list[dict[str, Any]], rates: dict[str, float]) -> None:
     roof = max((rate for rate in rates.values() if rate), default=None)
     for r in rows:
         base = exact.get(r["n"])
-        pairs = (("forward_s", "speedup_forward"), ("forward_backward_s", "speedup_forward_backward"))
+        pairs = (("forward_s", "speedup_forward"), ("forward_backward_s", "speedup_forward_backward"),
+                 ("decode_s", "speedup_decode"))
         for key, out in pairs:
             ok = base is not None and base.get(key) and r.get(key)
             r[out] = base[key] / r[key] if ok else None
         ok = r.get("flops") and r.get("forward_s")
         r["gflops"] = r["flops"] / r["forward_s"] / 1e9 if ok else None
         r["matmul_fraction"] = r["flops"] / r["forward_s"] / roof if ok and roof else None
+        # the speed-up over exact attention if every FLOP ran at the matmul roof (no other pass)
+        ok = r.get("flops") and roof and base is not None and base.get("forward_s")
+        r["speedup_ceiling"] = base["forward_s"] / (r["flops"] / roof) if ok else None
 
 
 #: a dtype whose square product runs this many times slower than float32's is called out up front
@@ -382,7 +414,8 @@ def _roof_notes(config: Config, roofs: dict) -> list[str]:
 def _recommendations(rows: list[dict[str, Any]], config: Config) -> tuple[list[dict], list[dict]]:
     """Per N, the budget table (the Pareto front as ranges of error budgets) and, with
     --max-error, the recommended method."""
-    speedup = "speedup_forward" if config.objective == "forward" else "speedup_forward_backward"
+    speedup = {"forward": "speedup_forward", "training": "speedup_forward_backward",
+               "decode": "speedup_decode"}[config.objective]
 
     def summary(r):
         return {"method": r["method"], "seconds": r[OBJECTIVES[config.objective]],
@@ -437,6 +470,42 @@ def _unmeasured_row(spec: tuple[str, Any, Any], n: int, gates: dict[str, dict[st
     return row
 
 
+#: the label suffix of a --compile row
+COMPILED = " compiled"
+
+
+def _measured_methods(config: Config) -> tuple[list, list[str]]:
+    """The registry entries the run measures and a note for each one left out: with
+    ``config.causal``, the attention methods that take ``causal=True``; with ``--objective decode``
+    every method is measured (a row without a decoding form says so)."""
+    infos = [subquad.get_method(m) for m in config.methods]
+    if not config.causal:
+        return infos, []
+    kept = [i for i in infos if i.kind == "attention" and i.causal]
+    return kept, [f"{i.name}: {'a token mixer' if i.kind != 'attention' else 'not causal'}; not measured with "
+                  "--causal" for i in infos if i not in kept]
+
+
+def _run_notes(config: Config) -> list[str]:
+    """What the run's settings change in its numbers."""
+    notes = []
+    if config.causal:
+        notes.append("causal attention: every method with causal=True, exact attention SDPA's causal kernel, the "
+                     "error against causal exact attention")
+    if config.compile:
+        notes.append("each row beside its twin through torch.compile(fullgraph=True, dynamic=False) ('compiled'): "
+                     "a compiled row's first call (compiling) is in its first-call column, not its time; stochastic "
+                     "methods compiled draw from the global RNG")
+    if config.busy:
+        notes.append(f"{config.busy} busy neighbour process(es) spun on the CPU while the points were measured "
+                     "(not during the matmul roofs or the memory subprocesses)")
+    if config.objective == "decode":
+        notes.append(f"decode: {config.decode_steps} single-token calls after a prefill of N tokens (and "
+                     f"{WARMUP_TOKENS} untimed), the median per token; exact attention with its keys in buffers "
+                     "allocated once")
+    return notes
+
+
 def run(config: Config, *, show_progress: bool = True, real_errors: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run the comparison: time, FLOPs and memory on i.i.d. N(0, 1) inputs at each N, the error
     on them too (``config.error_inputs == "iid"``) or ``real_errors`` (``"real"``: the result of
@@ -446,30 +515,34 @@ def run(config: Config, *, show_progress: bool = True, real_errors: dict[str, An
     device = torch.device(config.device)
     dtype = DTYPES[config.dtype]
     start = time.time()
-    infos = [subquad.get_method(m) for m in config.methods]
+    infos, skipped = _measured_methods(config)
     specs = comparison_rows(infos, config, 0)  # each method, and each --sweep row
+    if config.compile:  # each row, then the same through torch.compile
+        specs = [(f"{label}{suffix}", info, options) for label, info, options in specs for suffix in ("", COMPILED)]
     load_before = machine_load()
     rows: list[dict[str, Any]] = []
     history: dict[str, dict[int, dict[str, Any]]] = {label: {} for label, _, _ in specs}
     bar = progress_bar(len(config.ns) * len(specs), "subquad compare", show_progress)  # shown before any work
     try:
         roofs = _matmul_rates(device, dtype, config, bar)
-        notes = _roof_notes(config, roofs)
+        notes = skipped + _roof_notes(config, roofs) + _run_notes(config)
         for note in notes:  # up front, before the points
             bar.write(f"subquad compare: {note}", file=sys.stderr)
         gates = verdicts([i.name for i in infos], config.gate, bar)
-        for n, q, k, v, reference in random_inputs(config, dtype, device, bar, reference=errors["kind"] == "iid"):
-            for spec in specs:
-                label, info, _ = spec
-                row = _unmeasured_row(spec, n, gates) or _measure_point(
-                    spec, n, q, k, v, reference, config, history[label], bar,
-                    real_error=_real_error(errors, info, label))
-                if gates.get(info.name, {}).get("status") == "untested":
-                    row["notes"].append(f"not gated: {gates[info.name]['detail']}")
-                history[label][n] = row
-                rows.append(row)
-                bar.update(1)
-            del reference
+        with BusyNeighbours(config.busy):
+            for n, q, k, v, reference in random_inputs(config, dtype, device, bar, reference=errors["kind"] == "iid"):
+                for spec in specs:
+                    label, info, _ = spec
+                    row = _unmeasured_row(spec, n, gates) or _measure_point(
+                        spec, n, q, k, v, reference, config, history[label], bar,
+                        real_error=_real_error(errors, info, label.removesuffix(COMPILED)),
+                        compiled=label.endswith(COMPILED))
+                    if gates.get(info.name, {}).get("status") == "untested":
+                        row["notes"].append(f"not gated: {gates[info.name]['detail']}")
+                    history[label][n] = row
+                    rows.append(row)
+                    bar.update(1)
+                del reference
         # the roof again after the points, at the same sizes: one measured while something else ran
         # reads low, and every achieved rate would then read high against it
         again = _matmul_rates(device, dtype, config, bar, sizes={k: r.size for k, r in roofs.items() if r.rate})

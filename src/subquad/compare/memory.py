@@ -101,7 +101,8 @@ def peak_bytes(fn, device: torch.device | str = "cpu") -> int:
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Run one point in this process. ``spec``: method, options (dict), batch, heads, n, dim,
-    dtype (name), device, seed, backward (bool), threads (optional).
+    dtype (name), device, seed, backward (bool), threads, causal and compiled (optional, bool: the
+    calls of :func:`~subquad.compare.workload.forward_call`).
 
     Returns ``{"forward_bytes", "forward_backward_bytes", "forward_error", "backward_error"}``;
     a phase that raised has its bytes None and its error message set."""
@@ -125,8 +126,10 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         module = None
         if info.kind == "mixer":
             module = mixer_module(info, shape[1], shape[3], options, dtype=dtype, device=device)
-        fwd = forward_call(info, q, k, v, options, seed=seed, module=module)
-        bwd = forward_backward_call(info, q, k, v, options, seed=seed, module=module) if backward else None
+        call = {"seed": seed, "module": module, "causal": bool(spec.get("causal")),
+                "compiled": bool(spec.get("compiled"))}
+        fwd = forward_call(info, q, k, v, options, **call)
+        bwd = forward_backward_call(info, q, k, v, options, **call) if backward else None
         return fwd, bwd
 
     out: dict[str, Any] = {"forward_bytes": None, "forward_backward_bytes": None,

@@ -7,15 +7,15 @@ from typing import Any, Iterable
 __all__ = ["OBJECTIVES", "recommend", "budget_table", "pareto_front"]
 
 # objective -> the row's time field
-OBJECTIVES = {"forward": "forward_s", "training": "forward_backward_s"}
+OBJECTIVES = {"forward": "forward_s", "training": "forward_backward_s", "decode": "decode_s"}
 
 
 def recommend(rows: Iterable[dict[str, Any]], n: int, max_error: float,
               objective: str = "forward") -> dict[str, Any] | None:
-    """The row at length ``n`` with the smallest time (``objective``: ``"forward"`` or
-    ``"training"``, forward+backward) among those whose ``rel_error`` is at most ``max_error``;
-    ties go to the smaller error. Rows without an error (token mixers, failed points) or without
-    that time are never chosen. None when no row qualifies."""
+    """The row at length ``n`` with the smallest time (``objective``: ``"forward"``,
+    ``"training"``, forward+backward, or ``"decode"``, one generated token's attention) among
+    those whose ``rel_error`` is at most ``max_error``; ties go to the smaller error. Rows without
+    an error (token mixers, failed points) or without that time are never chosen. None when no row qualifies."""
     key = OBJECTIVES[objective]
     candidates = [
         r for r in rows

@@ -30,12 +30,34 @@ COLUMNS = ["method", "forward ms", "vs exact", "fwd+bwd ms", "vs exact", "peak M
            "peak MiB fwd+bwd", "rel. error", "GFLOP/s (% matmul)", "status"]
 
 
+#: the time a recommendation minimises, in words
+OBJECTIVE_WORDS = {"forward": "forward", "training": "forward+backward", "decode": "decode (one token's attention)"}
+
+
+def _extra_columns(res: dict[str, Any]) -> list[tuple[str, Callable[[dict[str, Any]], str]]]:
+    """The columns a run's settings add before the status: the decode time (``--objective
+    decode``), the first call (``--compile``: compiling), and the speed-up ceiling at the matmul roof
+    (not with ``--causal``, whose rows have no FLOP count)."""
+    c = res["config"]
+    extra = []
+    if c.get("objective") == "decode":
+        extra += [("decode ms/token", lambda r: fmt_seconds(r.get("decode_s"))),
+                  ("vs exact", lambda r: fmt_ratio(r.get("speedup_decode"))),
+                  ("cache MiB", lambda r: fmt_bytes(r.get("cache_bytes")))]
+    if c.get("compile"):
+        extra += [("first call ms", lambda r: fmt_seconds(r.get("forward_first_s")))]
+    if not c.get("causal") and any(r.get("speedup_ceiling") for r in res["rows"]):
+        extra += [("ceiling vs exact", lambda r: fmt_ratio(r.get("speedup_ceiling")))]
+    return extra
+
+
 def _columns(res: dict[str, Any], markdown: bool) -> list[str]:
     """:data:`COLUMNS` with the error column named by its inputs: "error on real MiniLM activations
-    (N = 418)" in report.md, "rel. error (MiniLM)" on the console."""
+    (N = 418)" in report.md, "rel. error (MiniLM)" on the console; and the run's extra columns."""
     label = error_inputs_label(res.get("error_inputs"), short=not markdown)
     error = f"error on {label}" if markdown else f"rel. error ({label})"
-    return [error if c == "rel. error" else c for c in COLUMNS]
+    names = [error if c == "rel. error" else c for c in COLUMNS]
+    return names[:-1] + [name for name, _ in _extra_columns(res)] + names[-1:]
 
 
 def _error_inputs_text(res: dict[str, Any]) -> str:
@@ -89,12 +111,12 @@ def _sorted_rows(rows: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
     return timed + [r for r in at_n if r.get("forward_s") is None]
 
 
-def _cells(r: dict[str, Any], short: bool) -> list[str]:  # in the order of COLUMNS
+def _cells(res: dict[str, Any], r: dict[str, Any], short: bool) -> list[str]:  # in the order of _columns
     name = r["method"] + (" (mixer)" if r["kind"] == "mixer" else "")
     return [name, fmt_seconds(r["forward_s"]), fmt_ratio(r.get("speedup_forward")),
             fmt_seconds(r["forward_backward_s"]), fmt_ratio(r.get("speedup_forward_backward")),
             fmt_bytes(r["forward_bytes"]), fmt_bytes(r["forward_backward_bytes"]), fmt_error(r["rel_error"]),
-            fmt_rate(r), _status(r, short)]
+            fmt_rate(r), *(cell(r) for _, cell in _extra_columns(res)), _status(r, short)]
 
 
 def _shape_line(res: dict[str, Any]) -> str:
@@ -106,7 +128,7 @@ def _shape_line(res: dict[str, Any]) -> str:
 
 def _recommendation_lines(res: dict[str, Any]) -> list[str]:
     """One sentence per N for --max-error."""
-    what = "forward" if res["config"]["objective"] == "forward" else "forward+backward"
+    what = OBJECTIVE_WORDS[res["config"]["objective"]]
     lines = []
     for rec in res["recommendations"]:
         if rec["method"] is None:
@@ -121,7 +143,7 @@ def _recommendation_lines(res: dict[str, Any]) -> list[str]:
 
 def _budget_table(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Per N, the fastest method for every range of error budgets (the Pareto front)."""
-    what = "forward" if res["config"]["objective"] == "forward" else "fwd+bwd"
+    what = {"forward": "forward", "training": "fwd+bwd", "decode": "decode per token"}[res["config"]["objective"]]
     headers = ["N", "error budget E", "fastest method", f"{what} ms", "vs exact", "its error"]
     body = []
     for b in res["budgets"]:
@@ -165,14 +187,14 @@ def leaderboard_text(res: dict[str, Any]) -> str:
     out = [f"subquad compare: {_shape_line(res)}; times are medians", _error_inputs_text(res)]
     for n in sorted({r["n"] for r in res["rows"]}):
         rows = _sorted_rows(res["rows"], n)
-        out += ["", f"N = {n}", text_table(_columns(res, markdown=False), [_cells(r, short=True) for r in rows])]
+        out += ["", f"N = {n}", text_table(_columns(res, markdown=False), [_cells(res, r, short=True) for r in rows])]
     problems = [(r, _status(r, short=False)) for r in res["rows"] if r["status"] != "ok"]
     if problems:
         out += ["", "Notes:"] + [f"  N={r['n']} {r['method']}: {text}" for r, text in problems]
     warnings = timing_warnings(res)
     if warnings:
         out += ["", "Timing warnings:"] + [f"  {w}" for w in warnings]
-    what = "forward" if c["objective"] == "forward" else "forward+backward"
+    what = OBJECTIVE_WORDS[c["objective"]]
     headers, body = _budget_table(res)
     label = error_inputs_label(res.get("error_inputs"))
     out += ["", f"Fastest {what} for each range of error budgets E (relative error vs exact on {label}):",
@@ -210,10 +232,30 @@ def _columns_explained(res: dict[str, Any]) -> list[str]:
         "a large square matmul, the faster of its measurements at the start and at the end of the run, "
         "and of float32's and the run's dtype's). "
         "Methods dominated by elementwise work or small matmuls sit far below 100%.",
+        *_extra_explained(res),
         f"- **status**: `skipped` when a call was predicted to take over --max-call-seconds "
         f"({c['max_call_seconds']:g} s); `partial` or `FAILED` with the error below.",
         f"- **correctness gate**: {_gate_text(res)}",
     ]
+
+
+def _extra_explained(res: dict[str, Any]) -> list[str]:
+    """What the run's extra columns (:func:`_extra_columns`) mean."""
+    names = [name for name, _ in _extra_columns(res)]
+    c = res["config"]
+    out = []
+    if "decode ms/token" in names:
+        out.append(f"- **decode ms/token**: one generated token's attention after a prefill of N tokens, the median "
+                   f"of {c.get('decode_steps')} single-token calls (`subquad.compare.decode`: a method's decoding "
+                   "state, or the new query against every cached key); **cache MiB**: what the cache holds after.")
+    if "first call ms" in names:
+        out.append("- **first call ms**: the untimed first forward (for a `compiled` row: tracing and compiling "
+                   "it, with whatever the compile caches already held).")
+    if "ceiling vs exact" in names:
+        out.append("- **ceiling vs exact**: exact attention's forward time over the method's FLOPs at the "
+                   "matmul rate: the speed-up the method would reach if all its FLOPs ran at that rate and "
+                   "nothing else took time; below the target speed-up, no kernel reaches it at this FLOP count.")
+    return out
 
 
 def _gate_text(res: dict[str, Any]) -> str:
@@ -280,7 +322,7 @@ def markdown_compare(res: dict[str, Any], images: list[str]) -> str:
         "## Recommendation",
         "",
     ]
-    what = "forward" if c["objective"] == "forward" else "forward+backward"
+    what = OBJECTIVE_WORDS[c["objective"]]
     if c.get("max_error") is not None:
         out += _recommendation_lines(res) + [""]
     headers, body = _budget_table(res)
@@ -296,7 +338,8 @@ def markdown_compare(res: dict[str, Any], images: list[str]) -> str:
             out += ["", f"![{Path(p).stem}]({p})"]
     for n in sorted({r["n"] for r in res["rows"]}):
         rows = _sorted_rows(res["rows"], n)
-        out += ["", f"## N = {n}", "", md_table(_columns(res, markdown=True), [_cells(r, short=True) for r in rows])]
+        table = md_table(_columns(res, markdown=True), [_cells(res, r, short=True) for r in rows])
+        out += ["", f"## N = {n}", "", table]
     problems = [(r, _status(r, short=False)) for r in res["rows"] if r["status"] != "ok"]
     mixers = sorted({r["method"] for r in res["rows"] if r["kind"] == "mixer"})
     options = {r["method"]: r["options"] for r in res["rows"] if r["options"]}

@@ -12,13 +12,15 @@ untimed calls before every block it times, which would triple the cost of a mult
 from __future__ import annotations
 
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-__all__ = ["Timing", "median_time", "MIN_RUNS"]
+__all__ = ["Timing", "median_time", "MIN_RUNS", "BusyNeighbours"]
 
 #: blocks of calls every timed point is the median of
 MIN_RUNS = 5
@@ -28,12 +30,14 @@ MIN_RUNS = 5
 class Timing:
     """``seconds``: median seconds per call over the blocks; ``fastest``: the fastest block's
     seconds per call; ``runs``: calls measured (after the warm-up); ``times``: seconds per call of
-    each block; ``spread``: ``(slowest - fastest) / median`` of the blocks (0 for one block)."""
+    each block; ``first``: the warm-up call's seconds; ``spread``: ``(slowest - fastest) / median``
+    of the blocks (0 for one block)."""
 
     seconds: float
     fastest: float
     runs: int
     times: list[float] = field(default_factory=list)
+    first: float | None = None  # the warm-up call's seconds (with a compiled op: compiling it)
 
     @property
     def spread(self) -> float:
@@ -64,4 +68,28 @@ def median_time(fn: Callable[[], object], min_run_time: float, *, num_threads: i
             times.append(block(number))
     finally:
         torch.set_num_threads(threads)
-    return Timing(seconds=statistics.median(times), fastest=min(times), runs=number * len(times), times=times)
+    return Timing(seconds=statistics.median(times), fastest=min(times), runs=number * len(times), times=times,
+                  first=first)
+
+
+
+class BusyNeighbours:
+    """``with BusyNeighbours(count):`` ``count`` processes each spinning on a core (a bare Python
+    loop, in an interpreter that imports nothing: what a data loader or a second job does to a
+    shared machine) for the duration of the block; nothing for ``count == 0``."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> "BusyNeighbours":
+        self.procs = [subprocess.Popen([sys.executable, "-S", "-c", "while True: pass"])
+                      for _ in range(self.count)]
+        if self.procs:
+            time.sleep(0.2)  # let them start spinning
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
