@@ -310,3 +310,34 @@ def test_benchmarks_use_public_names_only():
                     and node.attr.startswith("_") and not node.attr.startswith("__")):
                 found.append(f"{path.name}:{node.lineno} reads {node.value.id}.{node.attr}")
     assert not found, "benchmarks reaching into private names:\n" + "\n".join(found)
+
+
+#: what benchmarks/ may hold: the measurements no public command makes (module comparisons with
+#: peer packages, the context-parallel launcher, the GPU check); everything else is `subquad compare`,
+#: `subquad retrofit` or `subquad train report`
+MAX_BENCHMARK_SCRIPTS = 6
+
+
+def test_benchmarks_hold_few_scripts():
+    scripts = sorted(p.name for p in (SRC.parent / "benchmarks").iterdir() if p.suffix in (".py", ".sh"))
+    assert len(scripts) <= MAX_BENCHMARK_SCRIPTS, (
+        f"benchmarks/ holds {len(scripts)} scripts ({', '.join(scripts)}); a measurement that compares methods "
+        "belongs in subquad compare (a sweep, a column, an option)")
+
+
+def test_nothing_but_its_cli_imports_compare():
+    """subquad.compare is the benchmark runner: the library, hf, train and data never import it (they
+    may name it in docstrings)."""
+    found = []
+    for path in sorted((SRC / "subquad").rglob("*.py")):
+        rel = path.relative_to(SRC / "subquad")
+        if rel.parts[0] == "compare" or rel.as_posix() == "cli.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            level = getattr(node, "level", 0)
+            for name in names:
+                if name.startswith("subquad.compare") or (level and name.split(".")[0] == "compare"):
+                    found.append(f"{rel}:{node.lineno}")
+    assert not found, "imports of subquad.compare outside it: " + ", ".join(found)
