@@ -111,3 +111,39 @@ def test_busy_run_and_the_ceiling_column(tmp_path, capsys):
 def test_timing_options_refuse_what_does_not_combine(argv, message, capsys):
     code, _, err = run_cli(["compare", "--n", "16", "--quiet", *argv], capsys)
     assert code == 2 and message in err
+
+
+def test_base_forwards_the_command_line_without_what_it_drives():
+    from subquad.compare.cli import _forwarded
+
+    argv = ["compare", "--n", "32", "--base", "HEAD~1", "--rounds=2", "--out", "d", "--quiet", "--methods", "linear"]
+    assert _forwarded(argv) == ["--n", "32", "--methods", "linear"]
+
+
+def test_base_table_takes_medians_per_side():
+    from subquad.compare.base import _table
+
+    def res(*times):
+        return {"rows": [{"n": 8, "method": "linear", "forward_s": t, "forward_backward_s": None} for t in times]}
+
+    (row,) = _table([res(1.0), res(3.0), res(2.0)], [res(4.0), res(6.0)])
+    assert row["head_forward_s"] == 2.0 and row["base_forward_s"] == 5.0 and row["speedup_forward_s"] == 2.5
+    assert row["speedup_forward_backward_s"] is None
+
+
+def test_base_refuses_an_unknown_revision(capsys):
+    code, _, err = run_cli(["compare", "--n", "16", "--quiet", "--base", "no-such-revision-xyz"], capsys)
+    assert code == 2 and "no-such-revision-xyz" in err
+
+
+@pytest.mark.slow  # four compare processes
+def test_base_runs_both_sides_alternating(tmp_path, capsys):
+    code, out, err = run_cli(["compare", *TINY, "--n", "16", "--methods", "linear", "--no-backward", "--no-gate",
+                              "--base", "HEAD", "--rounds", "2", "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["kind"] == "compare_base" and not res["failures"]
+    assert {r["method"] for r in res["rows"]} == {"softmax", "linear"}
+    assert all(r["speedup_forward_s"] > 0 for r in res["rows"])
+    assert sorted(p.name for p in (tmp_path / "rounds").iterdir()) == ["base_0", "base_1", "head_0", "head_1"]
+    assert "base / head" in out and "base / head" in (tmp_path / "report.md").read_text()

@@ -12,6 +12,11 @@
     subquad compare --source smollm --n 2048 --methods hybrid xattention --sweep xattention.threshold=0.8,0.95 \
         --perplexity                                  # rows at each value, and SmolLM2's perplexity with each
     subquad compare --peers                           # against the pip packages of other implementations
+    subquad compare --methods hybrid --causal --n 8192 16384   # causal, against SDPA's causal kernel
+    subquad compare --objective decode --causal       # one generated token's attention after N cached ones
+    subquad compare --compile                         # each method beside the same through torch.compile
+    subquad compare --busy 1                          # with one busy neighbour process on the CPU
+    subquad compare --methods hybrid --base HEAD~1    # this checkout against another revision, alternating
 
 :func:`add_parser` registers the command for :func:`subquad.cli.main`; the measuring is
 :mod:`subquad.compare`. A mistake (unknown method or option, bad shape, unwritable ``--out``) is a
@@ -85,7 +90,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                       "greedy next tokens that agree, and the whole forward's seconds against the model's own")
     mode.add_argument("--rounds", type=int, default=0, metavar="R",
                       help="with --perplexity: each row's forward seconds as the median of R more forwards, "
-                      "interleaved with the model's own (default: one forward each)")
+                      "interleaved with the model's own (default: one forward each); with --base: rounds per "
+                      "side (default 3)")
     mode.add_argument("--source", choices=["random", "minilm", "smollm", "synthetic"], default="random",
                       help="random: i.i.d. N(0, 1) q, k, v at each --n; minilm: the Q, K, V of every layer "
                       "and head of all-MiniLM-L6-v2 on a text (needs subquad[real]); smollm: the causal Q, K, V "
@@ -175,6 +181,10 @@ def _add_measurement(run) -> None:
                      "loader or a second job does to a shared machine); compare with a run without")
     run.add_argument("--decode-steps", type=int, default=32, metavar="S",
                      help="with --objective decode: single-token calls timed after each prefill")
+    run.add_argument("--base", default=None, metavar="REV",
+                     help="the same timing run at this checkout and at git revision REV, in separate processes, "
+                     "alternating for --rounds rounds each: each time's median per side and base / head "
+                     "(subquad.compare.base; needs a git checkout)")
     run.add_argument("--no-gate", action="store_true",
                      help="time methods without first running their tests against their naive references "
                      "(the correctness gate: a method that fails them gets no time)")
@@ -340,8 +350,8 @@ def _source_text(p: argparse.ArgumentParser, args: argparse.Namespace) -> str | 
         p.error("--sweep adds rows of subquad's methods; it cannot be combined with --peers")
     if args.perplexity and args.source != "smollm":
         p.error("--perplexity runs SmolLM2 with each row's attention; add --source smollm")
-    if args.rounds and not args.perplexity:
-        p.error("--rounds times the forwards of --perplexity; add --perplexity")
+    if args.rounds and not (args.perplexity or args.base):
+        p.error("--rounds times the forwards of --perplexity or the runs of --base; add one")
     if args.rounds < 0:
         p.error(f"--rounds must be >= 0, got {args.rounds}")
     if args.source == "smollm":
@@ -424,12 +434,49 @@ def run_compare(args: argparse.Namespace) -> int:
         decode_steps=args.decode_steps,
         command=" ".join(["subquad", *(shlex.quote(a) for a in argv)]), **fidelity,
     )
+    if args.base is not None:
+        return _run_base(p, args, argv)
     results = _measure(config, args, text)
     if args.out is not None:
         from .report import write_report
 
         write_report(results, args.out, log=lambda line: print(line, file=sys.stderr))
     return 0
+
+
+def _forwarded(argv: list[str]) -> list[str]:
+    """``argv`` without the command's name and the options ``--base`` drives itself (``--base``,
+    ``--rounds``, ``--out``, ``--quiet``)."""
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+        elif a in ("--base", "--rounds", "--out"):
+            skip = True
+        elif a.split("=")[0] in ("--base", "--rounds", "--out") or a == "--quiet" or (i == 0 and a == "compare"):
+            continue
+        else:
+            out.append(a)
+    return out
+
+
+def _run_base(p: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int:
+    """``--base REV``: the timing run here and at REV, alternating (:mod:`subquad.compare.base`)."""
+    from . import base
+    from .report import write_report
+
+    if args.source != "random" or args.peers:
+        p.error("--base compares the timing run on random inputs; drop --source and --peers")
+    try:
+        results = base.run(_forwarded(argv), args.base, args.rounds or 3, show_progress=not args.quiet,
+                           work=None if args.out is None else args.out / "rounds",
+                           command=" ".join(["subquad", *(shlex.quote(a) for a in argv)]))
+    except ValueError as e:
+        p.error(str(e))
+    print(base.summary_text(results))
+    if args.out is not None:
+        write_report(results, args.out, renderer=base.RENDERER, log=lambda line: print(line, file=sys.stderr))
+    return 0 if results["rows"] else 1
 
 
 def _loading(what: str) -> None:
