@@ -103,7 +103,7 @@ def test_busy_run_and_the_ceiling_column(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--causal", "--source", "minilm"], "random inputs"),
+    (["--causal", "--peers"], "random inputs"),
     (["--busy", "-1"], "--busy must be"),
     (["--objective", "decode", "--decode-steps", "0"], "--decode-steps"),
     (["--causal", "--error-inputs", "real"], "drop --error-inputs real"),

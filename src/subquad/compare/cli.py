@@ -351,7 +351,7 @@ def _source_text(p: argparse.ArgumentParser, args: argparse.Namespace) -> str | 
     if args.perplexity and args.source != "smollm":
         p.error("--perplexity runs SmolLM2 with each row's attention; add --source smollm")
     if args.rounds and not (args.perplexity or args.base):
-        p.error("--rounds times the forwards of --perplexity or the runs of --base; add one")
+        p.error("--rounds times the forwards of --perplexity (or the runs of --base); add --perplexity or --base")
     if args.rounds < 0:
         p.error(f"--rounds must be >= 0, got {args.rounds}")
     if args.source == "smollm":
