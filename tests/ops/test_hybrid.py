@@ -130,3 +130,56 @@ def test_sdpa_backend_refuses_what_it_cannot_run():
     q, k, v = qkv(1, 1, 16, 8)
     with pytest.raises(ValueError, match="backend='sdpa' runs causal self-attention"):
         hybrid_attention(q, k, v, causal=False, backend="sdpa", query_block=2, key_block=2, num_blocks=1)
+
+
+def test_flex_tables_are_flex_attentions_own_and_contiguous():
+    """The BlockMask's tables, the key tiles' included (which the CUDA backward walks and reads as
+    contiguous memory), equal what ``BlockMask.from_kv_blocks`` derives from the query tiles'."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from subquad.ops.hybrid.parallel import _tables
+
+    g = torch.Generator().manual_seed(0)
+    visit = torch.rand(2, 3, 8, 16, generator=g) < 0.4
+    full = visit & (torch.rand(2, 3, 8, 16, generator=g) < 0.5)
+    tables = _tables(visit, full)
+    ref = BlockMask.from_kv_blocks(*tables[:4], BLOCK_SIZE=(128, 128))
+    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+             "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+    for name, table in zip(names, tables):
+        assert table.is_contiguous() and table.dtype == torch.int32, name
+        assert torch.equal(table, getattr(ref, name)), name
+
+
+def test_flex_call_raises_dynamos_graph_limit(monkeypatch):
+    """One graph per padded length, mask form and grad mode soon passes dynamo's default limit
+    (8), past which FlexAttention runs unfused: the compiled call raises the limit for itself."""
+    from subquad.ops.hybrid import parallel
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: lambda *a, **k: seen.append(
+        torch._dynamo.config.recompile_limit))
+    with torch._dynamo.config.patch(recompile_limit=2):
+        parallel._compiled.__wrapped__("cpu")()
+        assert seen == [parallel.GRAPHS] and torch._dynamo.config.recompile_limit == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_block_counts_and_cached_candidates(dtype):
+    """Block sizes are exact in every dtype (bfloat16 cannot hold 65408), and the cached candidate
+    rows equal freshly built ones, usable under autograd after a first call in inference mode."""
+    from subquad.ops.hybrid.select import _candidates, _counts, candidates
+
+    counts = _counts(65536 + 5, 128, torch.empty(0, dtype=dtype))
+    assert counts.dtype == dtype and counts.shape == (513,)
+    assert counts[:-1].eq(128).all() and counts[-1] == 5
+    args = dict(query_block=8, key_block=4, sinks=1, local=1, device=torch.device("cpu"))
+    with torch.inference_mode():
+        cached = candidates(50, 50, True, **args)
+    fresh = _candidates(50, 50, True, 8, 4, 1, 1, torch.device("cpu"))
+    assert all(torch.equal(a, b) and not a.is_inference() for a, b in zip(cached, fresh))
+    assert candidates(50, 50, True, **args)[2] is cached[2]
+    q, k, v = (t.requires_grad_() for t in qkv(1, 2, 50, 8))
+    out = hybrid_attention(q, k, v, causal=True, query_block=8, key_block=4, num_blocks=2)
+    out.sum().backward()
+    assert q.grad is not None

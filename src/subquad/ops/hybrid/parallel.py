@@ -37,11 +37,22 @@ def flex_available(q: Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype == torch.float32 and not tracked
 
 
+#: compiled graphs of FlexAttention allowed (dynamo's default, 8, is reached by a few lengths times
+#: the mask forms and grad modes; past it dynamo runs FlexAttention unfused, forming every score)
+GRAPHS = 64
+
+
 @functools.cache
 def _compiled(device_type: str):
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def call(*args, **kwargs):
+        with torch._dynamo.config.patch(recompile_limit=max(GRAPHS, torch._dynamo.config.recompile_limit)):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def _tile(device_type: str) -> int:
@@ -67,17 +78,31 @@ def _coarse(sel: Selection, nq: int, nk: int, rq: int, rk: int) -> tuple[Tensor,
     return tiles.any(-1).any(-2), full, hit
 
 
-def _tables(visit: Tensor, full: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """FlexAttention's tables: counts and (ascending) indices of the partial and the full tiles."""
+def _tables(visit: Tensor, full: Tensor) -> tuple[Tensor, ...]:
+    """FlexAttention's tables: counts and (ascending) indices of the partial and the full tiles of
+    each query tile, then the same of each key tile (what the backward walks), from the dense tile
+    maps ``(B, H, query tiles, key tiles)`` (``BlockMask.from_kv_blocks`` would rebuild the dense
+    maps to transpose them)."""
     partial = visit & ~full
-    n = visit.shape[-1]
-    col = torch.arange(n, device=visit.device, dtype=torch.int32)
 
     def table(m):
-        index = torch.where(m, col, n + col).argsort(-1).to(torch.int32)
-        return m.sum(-1, dtype=torch.int32), index
+        n = m.shape[-1]
+        col = torch.arange(n, device=m.device, dtype=torch.int32)
+        index = torch.where(m, col, n + col).argsort(-1).to(torch.int32, memory_format=torch.contiguous_format)
+        return m.sum(-1, dtype=torch.int32), index  # the kernels read the tables as contiguous
 
-    return (*table(partial), *table(full))
+    return (*table(partial), *table(full), *table(partial.mT), *table(full.mT))
+
+
+@functools.lru_cache(maxsize=16)
+def _real_keys(padded: int, m: int, device: torch.device) -> Tensor:
+    """Which of ``padded`` key positions hold one of the ``m`` keys (kept per size and device)."""
+    with torch.inference_mode(False), torch.no_grad():  # usable later under autograd as under inference
+        return torch.arange(padded, device=device) < m
+
+
+def _pad(x: Tensor, length: int) -> Tensor:
+    return x if x.shape[2] == length else F.pad(x, (0, 0, 0, length - x.shape[2]))
 
 
 def attend_flex(q: Tensor, k: Tensor, v: Tensor, sel: Selection, causal: bool, scale: float) -> Tensor:
@@ -91,7 +116,7 @@ def attend_flex(q: Tensor, k: Tensor, v: Tensor, sel: Selection, causal: bool, s
     tq, tk = max(QB, t), max(KB, t)
     Np, Mp = _round(N, max(BUCKET, tq)), _round(M, max(BUCKET, tk))
     visit, full, hit = _coarse(sel, Np // QB, Mp // KB, tq // QB, tk // KB)
-    real = torch.arange(Mp, device=q.device) < M  # a tensor, not the int M: no new graph per length
+    real = _real_keys(Mp, M, q.device)  # a tensor, not the int M: no new graph per length
     if tq == QB and tk == KB:
         def mask_mod(b, h, qi, ki):
             keep = real[ki]
@@ -100,8 +125,7 @@ def attend_flex(q: Tensor, k: Tensor, v: Tensor, sel: Selection, causal: bool, s
         def mask_mod(b, h, qi, ki):
             keep = real[ki] & hit[b, h, qi // QB, ki // KB]
             return keep & (ki <= qi) if causal else keep
-    mask = BlockMask.from_kv_blocks(*_tables(visit, full), BLOCK_SIZE=(tq, tk), mask_mod=mask_mod)
-    pad = (0, 0, 0, Np - N)
-    out = _compiled(q.device.type)(F.pad(q, pad), F.pad(k, (0, 0, 0, Mp - M)), F.pad(v, (0, 0, 0, Mp - M)),
-                                   block_mask=mask, scale=scale)
+    # the constructor's order: lengths, the query tiles' tables (partial, full), the key tiles'
+    mask = BlockMask((Np, Mp), *_tables(visit, full), BLOCK_SIZE=(tq, tk), mask_mod=mask_mod)
+    out = _compiled(q.device.type)(_pad(q, Np), _pad(k, Mp), _pad(v, Mp), block_mask=mask, scale=scale)
     return out[:, :, :N]

@@ -28,6 +28,7 @@ batch computes what it computes alone.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -82,9 +83,8 @@ def _blocks(x: Tensor, size: int) -> Tensor:
 
 def _counts(length: int, size: int, like: Tensor) -> Tensor:
     """Positions in each block of ``size`` ``(ceil(length / size),)``; the last holds what is left."""
-    count = torch.full((-(-length // size),), float(size), dtype=like.dtype, device=like.device)
-    count[-1:] = length - (len(count) - 1) * size
-    return count
+    start = torch.arange(0, length, size, device=like.device)
+    return torch.clamp(length - start, max=size).to(like.dtype)
 
 
 def block_means(k: Tensor, key_block: int) -> Tensor:
@@ -136,7 +136,16 @@ def candidates(n: int, m: int, causal: bool, *, query_block: int, key_block: int
                device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(lo, hi, candidate, forced)`` of every query block of ``n`` queries over ``m`` keys: the
     key blocks under it (:func:`geometry`), which key blocks it may choose ``(nq, nk)`` and which it
-    always attends ``(nq, nk)``."""
+    always attends ``(nq, nk)``. They depend on the sizes alone: kept per device for the last few
+    sizes (a GPU call then launches no kernels and copies nothing from the host for them); callers
+    must not write to them."""
+    args = (n, m, causal, query_block, key_block, sinks, local, torch.device(device))
+    if torch.compiler.is_compiling():
+        return _candidates(*args)
+    return _cached_candidates(*args)
+
+
+def _candidates(n, m, causal, query_block, key_block, sinks, local, device):
     nk = -(-m // key_block)
     lo, hi = (t.to(device) for t in geometry(n, m, query_block, key_block, causal, local))
     j = torch.arange(nk, device=device)
@@ -147,6 +156,12 @@ def candidates(n: int, m: int, causal: bool, *, query_block: int, key_block: int
         candidate = torch.ones(len(lo), nk, dtype=torch.bool, device=device)
         forced = ((j >= lo[:, None]) & (j < hi[:, None])) | (j < sinks)
     return lo, hi, candidate, forced
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_candidates(*args):
+    with torch.inference_mode(False), torch.no_grad():  # usable later under autograd as under inference
+        return _candidates(*args)
 
 
 def select_blocks(q: Tensor, k: Tensor, causal: bool, scale: float, *, query_block: int, key_block: int,
