@@ -13,6 +13,8 @@ SETTINGS = [
     dict(query_block=4, key_block=2, num_blocks=2, sinks=1, local=1),
     dict(query_block=2, key_block=8, num_blocks=1, sinks=0, local=0),
     dict(query_block=8, key_block=4, num_blocks=3, sinks=2, local=2),
+    dict(query_block=4, key_block=2, num_blocks=4, sinks=1, local=0, top_p=0.5),
+    dict(query_block=2, key_block=2, num_blocks=6, sinks=0, local=1, top_p=0.8),
 ]
 
 
@@ -71,15 +73,15 @@ def test_causal_block_is_scored_by_the_queries_before_it():
 @pytest.mark.parametrize("causal", [False, True])
 def test_flex_form_equals_gathered_form(causal):
     """The FlexAttention form (compiled; float32 CPU inference) computes what the gathered form
-    computes, with padding and a length off the bucket."""
+    computes, with padding, a length off the bucket, and rows of different lengths (top_p)."""
     n = 2500
     q, k, v = qkv(2, 2, n, 64, dtype=torch.float32)
     mask = torch.zeros(2, n, dtype=torch.bool)
     mask[1, -300:] = True
     mask[1, 100:140] = True
-    for m in (None, mask):
-        a = hybrid_attention(q, k, v, causal=causal, key_padding_mask=m, backend="flex")
-        b = hybrid_attention(q, k, v, causal=causal, key_padding_mask=m, backend="gather")
+    for m, top_p in ((None, 1.0), (mask, 1.0), (mask, 0.5)):
+        a = hybrid_attention(q, k, v, causal=causal, key_padding_mask=m, backend="flex", top_p=top_p)
+        b = hybrid_attention(q, k, v, causal=causal, key_padding_mask=m, backend="gather", top_p=top_p)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
@@ -183,3 +185,24 @@ def test_block_counts_and_cached_candidates(dtype):
     out = hybrid_attention(q, k, v, causal=True, query_block=8, key_block=4, num_blocks=2)
     out.sum().backward()
     assert q.grad is not None
+
+
+@pytest.mark.parametrize("score", ["mass", "mean"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_top_p_prunes_the_chosen_blocks_as_the_naive_rule(score, causal):
+    """With top_p each query block keeps the naive rule's blocks: a subset of what top_p=1 chooses
+    (forced and diagonal blocks included), fewer as top_p falls."""
+    q, k, _ = qkv(2, 3, 96, 8)
+    opts = dict(query_block=8, key_block=4, num_blocks=6, sinks=1, local=1, score=score)
+    everything = selected_blocks(q, k, causal, **opts)
+    sizes = [int(select_blocks(q, k, causal, 8 ** -0.5, **opts).valid.sum())]
+    for p in (0.5, 0.3):
+        sel = select_blocks(q, k, causal, 8 ** -0.5, **opts, top_p=p)
+        ref = selected_blocks(q, k, causal, **opts, top_p=p)
+        for b in range(2):
+            for h in range(3):
+                for i, blocks in enumerate(ref[b][h]):
+                    assert set(sel.index[b, h, i][sel.valid[b, h, i]].tolist()) == blocks, (b, h, i)
+                    assert blocks <= everything[b][h][i]
+        sizes.append(int(sel.valid.sum()))
+    assert sizes[0] > sizes[1] >= sizes[2]

@@ -35,13 +35,14 @@ def _decode(state, q, k, v, cuts, mask=None):
     return torch.cat(outs, 2)
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.4])
 @pytest.mark.parametrize("score", ["mass", "mean"])
 @pytest.mark.parametrize("prefill", [0, 1, 7, 8, 33, 64])
-def test_decoded_tokens_get_their_rows_of_the_causal_op(score, prefill):
+def test_decoded_tokens_get_their_rows_of_the_causal_op(score, prefill, top_p):
     N = 90  # key blocks past num_blocks + sinks + local: a real choice from query block 3 on
     q, k, v = _qkv(2, 3, N)
-    want = _op(q, k, v, score=score, **SMALL)
-    state = HybridDecodeState(HybridOptions(score=score, **SMALL))
+    want = _op(q, k, v, score=score, top_p=top_p, **SMALL)
+    state = HybridDecodeState(HybridOptions(score=score, top_p=top_p, **SMALL))
     cuts = ([prefill] if prefill else []) + list(range(prefill + 1, N + 1))
     got = _decode(state, q, k, v, cuts)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
@@ -56,6 +57,18 @@ def test_the_choice_is_made_and_differs_from_exact():
     exact = subquad.attention(q, k, v, method="softmax", causal=True, scale=0.4)
     assert (got[:, :, 40:] - exact[:, :, 40:]).abs().amax() > 1e-3
     assert state.rows[0].past is not None and state.rows[0].past[0].shape[1] == 5 * 4  # sinks, local, 3 chosen
+
+
+def test_top_p_prunes_blocks_per_head_while_decoding():
+    """With top_p the heads of a row keep different numbers of blocks (the pruned ones masked),
+    and the outputs differ from top_p=1's."""
+    q, k, v = _qkv(1, 4, 90)
+    state = HybridDecodeState(HybridOptions(top_p=0.15, **SMALL))
+    got = _decode(state, q, k, v, [89, 90])
+    keys, _, bias = state.rows[0].past
+    kept = (bias == 0).sum(1)
+    assert keys.shape[1] == kept.max() and len(set(kept.tolist())) > 1
+    assert (got - _op(q, k, v, **SMALL)).abs().amax() > 1e-3
 
 
 def test_default_options_exact_below_the_selection_and_multi_token_steps():

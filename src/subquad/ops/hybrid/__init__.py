@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...checks import check_choice, check_int
+from ...checks import check_choice, check_int, check_share
 from ...registry import register_method
 from .._masks import compute_dtype, compute_precision, each_item_without_padding
 from ..softmax import sdpa
@@ -76,9 +76,11 @@ class HybridOptions:
     ``benchmarks/results/retrofit_lm_hybrid_score/``, and its selection is one product of mean
     vectors per query block instead of a softmax per scoring query) or ``"mass"`` (estimated
     attention mass of the block for the scoring queries); ``backend``: ``"auto"`` (causal self-attention on the
-    CPU with ``key_block <= query_block``: ``"sdpa"``; else FlexAttention where it runs, for at
+    CPU with ``key_block <= query_block`` and ``top_p`` 1: ``"sdpa"``; else FlexAttention where it runs, for at
     least 2048 queries; else ``"gather"``), ``"sdpa"`` (torch's fused CPU kernel per query block),
-    ``"flex"`` or ``"gather"``."""
+    ``"flex"`` or ``"gather"``; ``top_p``: of the chosen blocks, only the best that bring the
+    estimated share of the query block's attention held by its forced and chosen blocks to
+    ``top_p`` (Twilight's top-p on blocks, :mod:`.select`; default 1.0: all ``num_blocks``)."""
 
     query_block: int = 512
     key_block: int = 128
@@ -87,6 +89,7 @@ class HybridOptions:
     local: int = 1
     score: str = "mean"
     backend: str = "auto"
+    top_p: float = 1.0
 
     def __post_init__(self):
         for name in ("query_block", "key_block"):
@@ -98,6 +101,7 @@ class HybridOptions:
             check_int("hybrid", name, getattr(self, name), minimum=0)
         check_choice("hybrid", "score", self.score, SCORES)
         check_choice("hybrid", "backend", self.backend, ("auto", "sdpa", "flex", "gather"))
+        check_share("hybrid", "top_p", self.top_p)
 
 
 def flops(B, H, N, M, D, Dv, o):
@@ -168,8 +172,9 @@ def hybrid_attention(q, k, v, key_padding_mask, causal, scale, *, options: Hybri
 
 
 def _selects_all(m: int, causal: bool, o: HybridOptions) -> bool:
-    """Whether every query block would attend to every key block it may see (``m`` keys or fewer)."""
-    return o.num_blocks + max(o.sinks, o.local, 0 if causal else 1) >= -(-m // o.key_block)
+    """Whether every query block would attend to every key block it may see (``m`` keys or fewer;
+    never with ``top_p`` < 1, which may prune even then)."""
+    return o.top_p >= 1 and o.num_blocks + max(o.sinks, o.local, 0 if causal else 1) >= -(-m // o.key_block)
 
 
 def _attention(q, k, v, causal, scale, o):
@@ -178,12 +183,13 @@ def _attention(q, k, v, causal, scale, o):
     with torch.no_grad():  # selection is discrete: no gradient
         sq, sk = (q.float(), k.float()) if q.dtype in (torch.float16, torch.bfloat16) else (q, k)
         sel = select_blocks(sq.detach(), sk.detach(), causal, scale, query_block=o.query_block, key_block=o.key_block,
-                            num_blocks=o.num_blocks, sinks=o.sinks, local=o.local, score=o.score)
-    if o.backend in ("auto", "sdpa") and causal and causal_blocks_available(q, k, sel):
+                            num_blocks=o.num_blocks, sinks=o.sinks, local=o.local, score=o.score, top_p=o.top_p)
+    # the causal kernel takes every row's full count of past blocks (top_p prunes some)
+    if o.backend in ("auto", "sdpa") and causal and o.top_p >= 1 and causal_blocks_available(q, k, sel):
         return attend_causal(q, k, v, sel, past_blocks(o.num_blocks, o.sinks, o.local), scale)
     if o.backend == "sdpa":
         raise ValueError("hybrid: backend='sdpa' runs causal self-attention on the CPU with key_block <= "
-                         "query_block; use backend='auto'")
+                         "query_block and top_p=1; use backend='auto'")
     use_flex = o.backend == "flex" or (o.backend == "auto" and q.shape[2] >= FLEX_MIN_QUERIES and flex_available(q))
     if use_flex:
         if not flex_available(q):

@@ -36,13 +36,14 @@ class _Row:
     real), key-block sums ``sums`` ``(H, cap / KB, D)`` (complete blocks), the current query
     block's queries ``queries`` ``(H, QB, D)`` (the first ``count - start`` of them), and the past
     keys the current block attends exactly: ``past`` = None (every key before ``lo KB``) or the
-    gathered keys and values of its selected blocks."""
+    gathered keys and values of its selected blocks, with a logit bias ``(H, S KB)`` (-inf at the
+    blocks a head pruned by ``top_p``; None when no head pruned any)."""
 
     def __init__(self):
         self.count = 0
         self.k = self.v = self.sums = self.queries = None
         self.lo = 0  # the current query block's first diagonal key block
-        self.past: tuple[Tensor, Tensor] | None = None
+        self.past: tuple[Tensor, Tensor, Tensor | None] | None = None
 
     def nbytes(self) -> int:
         ts = [self.k, self.v, self.sums, self.queries, *(self.past or ())]
@@ -151,11 +152,12 @@ class HybridDecodeState:
         if row.past is None:
             lo = 0
         parts = [] if row.past is None else [row.past]
-        parts.append((row.k[:, lo: t + 1], row.v[:, lo: t + 1]))
-        # the logits of each part, one softmax over all of them (no copy of the keys)
-        logits = torch.cat([torch.bmm(keys, q.unsqueeze(-1)).squeeze(-1) for keys, _ in parts], 1).mul_(scale)
-        weights = torch.softmax(logits, -1).unsqueeze(1).split([keys.shape[1] for keys, _ in parts], -1)
-        return sum(torch.bmm(w, values) for w, (_, values) in zip(weights, parts)).squeeze(1)
+        parts.append((row.k[:, lo: t + 1], row.v[:, lo: t + 1], None))
+        # the logits of each part (pruned blocks of a head at -inf), one softmax over all of them
+        logits = torch.cat([torch.bmm(keys, q.unsqueeze(-1)).squeeze(-1).mul_(scale).add_(0 if bias is None else bias)
+                            for keys, _, bias in parts], 1)
+        weights = torch.softmax(logits, -1).unsqueeze(1).split([keys.shape[1] for keys, _, _ in parts], -1)
+        return sum(torch.bmm(w, values) for w, (_, values, _) in zip(weights, parts)).squeeze(1)
 
     def _enter_block(self, row: _Row, start: int, scoring: Tensor | None, scale: float) -> None:
         """Choose the past key blocks of the query block that starts at ``start``, scored by the
@@ -164,7 +166,7 @@ class HybridDecodeState:
         KB = o.key_block
         lo = start // KB
         row.lo = lo
-        if lo <= past_blocks(o.num_blocks, o.sinks, o.local) or scoring is None:
+        if scoring is None or (lo <= past_blocks(o.num_blocks, o.sinks, o.local) and o.top_p >= 1):
             row.past = None  # every candidate is selected: the exact keys before lo KB
             return
         H = scoring.shape[0]
@@ -175,12 +177,23 @@ class HybridDecodeState:
         else:  # each scoring query's softmax over the blocks (a block as KB copies of its mean), summed
             s = torch.softmax(scale * scoring @ means.mT + math.log(KB), -1).sum(1)
         forced = (j < o.sinks) | (j >= lo - o.local)
-        s = s.masked_fill(forced, -math.inf)
-        top = s.sort(dim=-1, descending=True, stable=True).indices[:, : o.num_blocks]
+        top = s.masked_fill(forced, -math.inf).sort(dim=-1, descending=True, stable=True).indices[:, : o.num_blocks]
+        keep = torch.ones_like(top, dtype=torch.bool)
+        if o.top_p < 1:  # the op's rule (select.choose_blocks): the share held before a block below top_p
+            if o.score == "mean":
+                share = torch.softmax(s + math.log(KB), -1)
+            else:
+                share = s / s.sum(-1, keepdim=True)
+            ranked = share.gather(1, top)
+            keep = (share * forced).sum(-1, keepdim=True) + ranked.cumsum(-1) - ranked < o.top_p
         chosen = torch.zeros(H, lo, dtype=torch.bool, device=s.device)
-        chosen.scatter_(1, top, True)
+        chosen.scatter_(1, top, keep)
         chosen |= forced
-        blocks = torch.where(chosen, j, lo + j).sort(dim=-1).values[:, : int(chosen.sum(1)[0])]  # ascending
+        count = chosen.sum(1, keepdim=True)  # heads may keep different numbers of blocks (top_p)
+        blocks = torch.where(chosen, j, lo + j).sort(dim=-1).values[:, : int(count.max())].clamp(max=lo - 1)
         keys = (blocks.unsqueeze(-1) * KB + torch.arange(KB, device=s.device)).flatten(1)  # (H, S KB)
+        pruned = torch.arange(blocks.shape[1], device=s.device).repeat_interleave(KB) >= count  # (H, S KB)
         row.past = (row.k.gather(1, keys.unsqueeze(-1).expand(-1, -1, row.k.shape[2])),
-                    row.v.gather(1, keys.unsqueeze(-1).expand(-1, -1, row.v.shape[2])))
+                   row.v.gather(1, keys.unsqueeze(-1).expand(-1, -1, row.v.shape[2])),
+                    torch.zeros(pruned.shape, dtype=row.k.dtype, device=s.device).masked_fill_(pruned, -math.inf)
+                    if pruned.any() else None)

@@ -11,7 +11,7 @@ from ..softmax.naive import softmax_attention_reference
 
 
 def selected_blocks(q, k, causal=False, scale=None, *, query_block=512, key_block=128, num_blocks=16, sinks=1,
-                    local=1, score="mean"):
+                    local=1, score="mean", top_p=1.0):
     """``sel[b][h][i]``: the set of key blocks query block ``i`` attends (module docstring of
     ``subquad.ops.hybrid.select``), for unpadded q ``(B, H, N, D)``, k ``(B, H, M, D)``."""
     B, H, N, D = q.shape
@@ -47,9 +47,31 @@ def selected_blocks(q, k, causal=False, scale=None, *, query_block=512, key_bloc
                 if score == "mean" and scorers:
                     qm = q[b, h, scorers].mean(0)
                     scores = {j: float(scale * qm @ means[j]) for j in cands}
-                rest = sorted((j for j in cands if j not in forced), key=lambda j: -scores[j])
-                out[b][h][i] = forced | set(rest[:num_blocks]) | diag
+                rest = sorted((j for j in cands if j not in forced), key=lambda j: -scores[j])[:num_blocks]
+                if top_p < 1 and rest:
+                    rest = _top_p(rest, forced, cands, scores, [len(ks) for ks in keys], score, top_p)
+                out[b][h][i] = forced | set(rest) | diag
     return out
+
+
+def _top_p(ranked, forced, cands, scores, counts, score, top_p):
+    """The first of ``ranked`` blocks while the estimated share held by the forced blocks and the
+    blocks before stays below ``top_p``; shares among the candidates ``cands``: softmax of
+    ``score + log count`` ("mean") or score over the sum of scores ("mass")."""
+    if score == "mean":
+        top = max(scores[c] + math.log(counts[c]) for c in cands)
+        weight = {c: math.exp(scores[c] + math.log(counts[c]) - top) for c in cands}
+    else:
+        weight = {c: scores[c] for c in cands}
+    total = sum(weight.values())
+    held = sum(weight[c] for c in forced) / total
+    kept = []
+    for j in ranked:
+        if held >= top_p:
+            break
+        kept.append(j)
+        held += weight[j] / total
+    return kept
 
 
 def _dense(q, k, v, causal, scale, qb, kb, options):
@@ -77,7 +99,8 @@ def hybrid_attention_reference(q, k, v, key_padding_mask=None, causal=False, sca
     M = k.shape[2]
     scale = D ** -0.5 if scale is None else scale
     o = {"num_blocks": 16, "sinks": 1, "local": 1, **options}
-    if o["num_blocks"] + max(o["sinks"], o["local"], 0 if causal else 1) >= -(-M // key_block):
+    every = o["num_blocks"] + max(o["sinks"], o["local"], 0 if causal else 1) >= -(-M // key_block)
+    if every and o.get("top_p", 1.0) >= 1:
         return softmax_attention_reference(q, k, v, key_padding_mask, causal, scale)  # every block selected
     return items_over_real_keys(lambda q, k, v: _dense(q, k, v, causal, scale, query_block, key_block, options),
                                 q, k, v, key_padding_mask, causal)

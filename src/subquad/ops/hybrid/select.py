@@ -22,6 +22,12 @@ Scores (``score``), from each block's mean key ``m_j`` and its count of keys ``n
 - ``"mean"``: ``s mean_t(q_t).m_j``, the block-shared form of MoBA's gate (Lu et al. 2025, "MoBA:
   Mixture of Block Attention for Long-Context LLMs", arXiv 2502.13189).
 
+With ``top_p`` < 1 (Twilight's top-p, Lin et al. 2025, "Twilight: Adaptive Attention Sparsity with
+Hierarchical Top-p Pruning", arXiv 2502.02770, here on blocks), the chosen blocks are pruned, best
+first, to the fewest that bring the estimated share of the query block's attention held by its
+forced and chosen blocks to ``top_p``; the estimate is each candidate block's share among the
+candidates (:func:`estimated_share`), and the diagonal blocks are outside it (always attended).
+
 Blocks are counted over the keys given: the op removes padding first, so each item of a padded
 batch computes what it computes alone.
 """
@@ -37,7 +43,7 @@ from torch import Tensor
 
 from .._masks import masked_fill_value
 
-__all__ = ["Selection", "select_blocks", "block_means", "geometry", "candidates", "choose_blocks"]
+__all__ = ["Selection", "select_blocks", "block_means", "geometry", "candidates", "choose_blocks", "estimated_share"]
 
 # bytes of (query, key block) scores formed at a time
 _SCORE_BYTES = 1 << 26
@@ -165,29 +171,49 @@ def _cached_candidates(*args):
 
 
 def select_blocks(q: Tensor, k: Tensor, causal: bool, scale: float, *, query_block: int, key_block: int,
-                  num_blocks: int, sinks: int, local: int, score: str) -> Selection:
+                  num_blocks: int, sinks: int, local: int, score: str, top_p: float = 1.0) -> Selection:
     """The key blocks of every query block (see the module docstring)."""
     N, M = q.shape[2], k.shape[2]
     lo, hi, candidate, forced = candidates(N, M, causal, query_block=query_block, key_block=key_block, sinks=sinks,
                                            local=local, device=q.device)
     s = _scores(q, block_means(k, key_block), _counts(M, key_block, q), candidate, score, scale, query_block, causal)
     return choose_blocks(s, M, lo, hi, candidate, forced, causal, query_block=query_block, key_block=key_block,
-                         num_blocks=num_blocks, sinks=sinks, local=local)
+                         num_blocks=num_blocks, sinks=sinks, local=local, score=score, top_p=top_p)
+
+
+def estimated_share(s: Tensor, candidate: Tensor, m: int, key_block: int, score: str) -> Tensor:
+    """Each candidate block's estimated share of its query block's attention among the candidates
+    ``(B, H, nq, nk)`` (0 elsewhere), from scores ``s``: ``"mean"``, the softmax over the candidates
+    of ``s_j + log n_j`` (a block as ``n_j`` copies of its mean key); ``"mass"``, the scores (already
+    summed softmax weights) over their sum."""
+    if score == "mean":
+        share = torch.softmax((s + _counts(m, key_block, s).log()).masked_fill(~candidate, -math.inf), -1)
+    else:
+        share = s.masked_fill(~candidate, 0.0)
+        share = share / share.sum(-1, keepdim=True)
+    return share.nan_to_num(0.0)  # a query block without candidates
 
 
 def choose_blocks(s: Tensor, m: int, lo: Tensor, hi: Tensor, candidate: Tensor, forced: Tensor, causal: bool, *,
-                  query_block: int, key_block: int, num_blocks: int, sinks: int, local: int) -> Selection:
-    """The selection of query blocks with scores ``s`` ``(B, H, nq, nk)`` over the key blocks of
-    ``m`` keys and the rows of :func:`candidates` for them: the forced blocks, the ``num_blocks``
-    best-scored other candidates, and (causal) the diagonal ones."""
+                  query_block: int, key_block: int, num_blocks: int, sinks: int, local: int, score: str = "mean",
+                  top_p: float = 1.0) -> Selection:
+    """The selection of query blocks with scores ``s`` ``(B, H, nq, nk)`` (of kind ``score``) over
+    the key blocks of ``m`` keys and the rows of :func:`candidates` for them: the forced blocks, the
+    ``num_blocks`` best-scored other candidates (with ``top_p`` < 1, pruned as the module docstring
+    says), and (causal) the diagonal ones."""
     B, H = s.shape[:2]
     dev = s.device
     nk = s.shape[-1]
     j = torch.arange(nk, device=dev)
-    s = s.masked_fill(~candidate, -math.inf).masked_fill(forced, -math.inf)
+    scores, s = s, s.masked_fill(~candidate, -math.inf).masked_fill(forced, -math.inf)
     # ties (as when every score is 0) go to the earlier block
     top, idx = (t[..., :num_blocks] for t in s.sort(dim=-1, descending=True, stable=True))
     valid = top > -math.inf
+    if top_p < 1:  # keep the best while the share held before them is below top_p
+        share = estimated_share(scores, candidate, m, key_block, score)
+        ranked = share.gather(-1, idx)
+        held = (share * forced).sum(-1, keepdim=True) + ranked.cumsum(-1) - ranked
+        valid = valid & (held < top_p)
     span = max(1, query_block // key_block)  # the most key blocks under one query block (powers of two)
     width = min(nk, sinks + (local if causal else span + 2 * local))  # static: no data-dependent shapes
     fidx = torch.where(forced, j, nk + j).argsort(-1)[..., :width]  # the forced blocks first

@@ -107,7 +107,8 @@ def hybrid_context_parallel(q, k, v, key_padding_mask, causal, scale, o, shards:
                                               local=o.local, device=q.device)
             g0 = start // QB
             sel = choose_blocks(scale * before @ means.mT, end, lo[g0:], hi[g0:], cand[g0:], forced[g0:], True,
-                                query_block=QB, key_block=KB, num_blocks=o.num_blocks, sinks=o.sinks, local=o.local)
+                                query_block=QB, key_block=KB, num_blocks=o.num_blocks, sinks=o.sinks, local=o.local,
+                                top_p=o.top_p)
         Np, E = -(-n // QB) * QB, max(D, Dv)
         qc, kc, vc = (t.contiguous() if t.shape[-2:] == (Np, E) else F.pad(t, (0, E - t.shape[-1], 0, Np - n))
                       for t in (qc, kc, vc))  # no copy when nothing is padded
