@@ -194,6 +194,8 @@ def test_hybrid_refuses_what_it_cannot_shard():
     with pytest.raises(NotImplementedError, match="key_padding_mask"):
         sqd.attention(x, x, x, method="hybrid", causal=True, key_padding_mask=torch.zeros(1, 16, dtype=torch.bool),
                       **HYBRID)
+    with pytest.raises(NotImplementedError, match="top_p"):
+        sqd.attention(x, x, x, method="hybrid", causal=True, top_p=0.5, **HYBRID)
     with pytest.raises(ValueError, match="dense prefix"):
         sqd.attention(x[:, :, :8], x[:, :, :8], x[:, :, :8], method="hybrid", causal=True, **HYBRID)
     with pytest.raises(ValueError, match="whole query blocks"):

@@ -52,6 +52,9 @@ def _check(o, key_padding_mask: Tensor | None, causal: bool, q: Tensor, lengths:
                                   "move blocks between ranks)")
     if o.score != "mean":
         raise NotImplementedError("hybrid: context parallelism scores blocks with score='mean'")
+    if o.top_p < 1:
+        raise NotImplementedError("hybrid: context parallelism runs top_p=1 (its per-block kernel takes every "
+                                  "query block's full count of past blocks)")
     if exact:  # the ring runs it
         return
     if o.key_block > o.query_block or q.device.type != "cpu":
@@ -107,8 +110,7 @@ def hybrid_context_parallel(q, k, v, key_padding_mask, causal, scale, o, shards:
                                               local=o.local, device=q.device)
             g0 = start // QB
             sel = choose_blocks(scale * before @ means.mT, end, lo[g0:], hi[g0:], cand[g0:], forced[g0:], True,
-                                query_block=QB, key_block=KB, num_blocks=o.num_blocks, sinks=o.sinks, local=o.local,
-                                top_p=o.top_p)
+                                query_block=QB, key_block=KB, num_blocks=o.num_blocks, sinks=o.sinks, local=o.local)
         Np, E = -(-n // QB) * QB, max(D, Dv)
         qc, kc, vc = (t.contiguous() if t.shape[-2:] == (Np, E) else F.pad(t, (0, E - t.shape[-1], 0, Np - n))
                       for t in (qc, kc, vc))  # no copy when nothing is padded
