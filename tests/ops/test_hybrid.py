@@ -206,3 +206,23 @@ def test_top_p_prunes_the_chosen_blocks_as_the_naive_rule(score, causal):
                     assert blocks <= everything[b][h][i]
         sizes.append(int(sel.valid.sum()))
     assert sizes[0] > sizes[1] >= sizes[2]
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_expected_keys_counts_the_naive_selection(causal, top_p):
+    """The registry's keys per query: each query's selected blocks' keys (causal: at or before it),
+    counted from the naive selection; exact attention's counts when every block is selected."""
+    from subquad.ops.hybrid import HybridOptions, expected_keys
+
+    q, k, _ = qkv(1, 2, 45, 8)
+    opts = dict(query_block=8, key_block=4, num_blocks=3, sinks=1, local=1)
+    got = expected_keys(q, k, causal, HybridOptions(**opts, top_p=top_p))
+    sel = selected_blocks(q, k, causal, **opts, top_p=top_p)
+    for h in range(2):
+        for p in range(45):
+            keys = {t for j in sel[0][h][p // 8] for t in range(j * 4, min(45, j * 4 + 4)) if not causal or t <= p}
+            assert got[0, h, p] == len(keys), (h, p)
+    every = expected_keys(q, k, causal, HybridOptions(num_blocks=20))[0, 0]
+    exact = torch.arange(1, 46.0) if causal else torch.full((45,), 45.0)
+    assert torch.equal(every, exact.double())

@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from ...checks import check_choice, check_int, check_share
 from ...registry import register_method
@@ -127,6 +128,30 @@ def budget_options(o: HybridOptions, keys: int) -> dict:
     return {"num_blocks": keys // o.key_block - o.sinks - o.local}
 
 
+def expected_keys(q: Tensor, k: Tensor, causal: bool, o: HybridOptions) -> Tensor:
+    """``(B, H, N)`` float64: the keys each query attends on these q ``(B, H, N, D)`` and k
+    ``(B, H, M, D)`` (every key real; the registry's ``expected_keys``): its selected blocks' keys
+    (causal: those at or before it). With ``top_p`` < 1 the count depends on the inputs."""
+    B, H, N, _ = q.shape
+    M = k.shape[2]
+    QB, KB = o.query_block, o.key_block
+    nk = -(-M // KB)
+    if _selects_all(M, causal, o):
+        hit = torch.ones(B, H, -(-N // QB), nk, dtype=torch.bool, device=q.device)
+    else:
+        sq, sk = (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in (q, k))
+        sel = select_blocks(sq, sk, causal, q.shape[-1] ** -0.5, query_block=QB, key_block=KB, num_blocks=o.num_blocks,
+                            sinks=o.sinks, local=o.local, score=o.score, top_p=o.top_p)
+        hit = torch.zeros(B, H, sel.index.shape[2], nk + 1, dtype=torch.bool, device=q.device)
+        hit = hit.scatter_(-1, torch.where(sel.valid, sel.index, nk), True)[..., :nk]
+    start = torch.arange(nk, device=q.device) * KB
+    size = (M - start).clamp(max=KB)  # keys in each block
+    pos = torch.arange(hit.shape[2] * QB, device=q.device)[:, None]
+    visible = (pos + 1 - start).clamp(min=0, max=KB).minimum(size) if causal else size.expand(len(pos), nk)
+    keys = torch.einsum("bhij,ipj->bhip", hit.double(), visible.double().view(hit.shape[2], QB, nk))
+    return keys.flatten(2)[..., :N]
+
+
 @register_method(
     "hybrid",
     options=HybridOptions,
@@ -139,6 +164,7 @@ def budget_options(o: HybridOptions, keys: int) -> dict:
     fullgraph_with_padding=False,  # padding is removed first: shapes from the mask
     decode_state=HybridDecodeState,
     budget_options=budget_options,
+    expected_keys=expected_keys,
     context_parallel=hybrid_context_parallel,
 )
 def hybrid_attention(q, k, v, key_padding_mask, causal, scale, *, options: HybridOptions):
