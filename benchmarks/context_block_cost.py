@@ -8,7 +8,10 @@ The block is :class:`subquad.models.segmenter.ContextBlock` around
 :func:`~subquad.models.segmenter.context_mixer`, as the digit_scenes model builds it: the breads
 (1x1 convolutions) and BatchNorm are the same for every core; the core is Hamburger's NMF ham
 (rank 64 at C = 512, 6 local steps in training, one-step gradient), exact softmax attention
-(``heads`` heads on the breads' output, SDPA) or a linear-cost attention method. Input
+(``heads`` heads on the breads' output, SDPA: on the CPU a flash kernel that never forms the
+N x N map), ``softmax-map`` (the same under SDPA's math kernel, which forms the map and keeps it
+for the backward, as the non-local block, Wang et al. 2018, arXiv 1711.07971, and the attention
+modules the paper compares with do) or a linear-cost attention method. Input
 ``(1, C, S, S)``, float32, training mode, ``--threads`` threads. Time: median of
 ``torch.utils.benchmark`` ``blocked_autorange`` per block in interleaved rounds, forward under
 ``no_grad`` and forward + backward (``sum().backward()`` into the block's parameters and the
@@ -28,26 +31,36 @@ import subprocess
 import sys
 from pathlib import Path
 
+import contextlib
+
 import torch
 import torch.utils.benchmark as benchmark
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from subquad.compare.common import machine_info, md_table, source_state
 from subquad.models.segmenter import ContextBlock, context_mixer
 
 
+#: the softmax core under SDPA's math kernel, which forms the attention map
+FORMS_MAP = "softmax-map"
+
+
 def block(method: str, channels: int, heads: int) -> ContextBlock:
     torch.manual_seed(0)
     mixer_heads = 1 if method == "hamburger" else heads  # the ham's rank follows C / heads: 64 at C = 512
-    return ContextBlock(context_mixer(method, channels, mixer_heads), channels).train()
+    model = ContextBlock(context_mixer("softmax" if method == FORMS_MAP else method, channels, mixer_heads), channels)
+    model.forms_map = method == FORMS_MAP
+    return model.train()
 
 
 def _call(model, x, backward: bool):
-    if not backward:
-        with torch.no_grad():
-            return model(x)
-    x = x.detach().requires_grad_()
-    model(x).sum().backward()
-    return x.grad
+    with sdpa_kernel([SDPBackend.MATH]) if model.forms_map else contextlib.nullcontext():
+        if not backward:
+            with torch.no_grad():
+                return model(x)
+        x = x.detach().requires_grad_()
+        model(x).sum().backward()
+        return x.grad
 
 
 def peak(spec: dict) -> int:
@@ -70,7 +83,7 @@ def peak_in_subprocess(spec: dict) -> int:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--methods", nargs="+", default=["hamburger", "softmax", "efficient", "linear"])
+    p.add_argument("--methods", nargs="+", default=["hamburger", "softmax", FORMS_MAP, "efficient", "linear"])
     p.add_argument("--sizes", type=int, nargs="+", default=[32, 64, 96], help="S: maps of S x S positions")
     p.add_argument("--channels", type=int, default=512)
     p.add_argument("--heads", type=int, default=8, help="heads of the attention cores")
