@@ -45,3 +45,23 @@ def test_gradients_through_the_chosen_blocks():
     q, k, v = (t.requires_grad_() for t in qkv(1, 2, 9, 4))
     torch.autograd.gradcheck(
         lambda q, k, v: xattention_attention(q, k, v, causal=True, block_size=2, stride=2, threshold=0.5), (q, k, v))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_expected_keys_counts_the_naive_kept_blocks(causal):
+    """The registry's keys per query: the kept blocks' keys (causal: at or before the query), from
+    the naive selection; top_p's per-query pruning is not counted (NotImplementedError)."""
+    from subquad.ops.xattention import XAttentionOptions, expected_keys
+    from subquad.ops.xattention.naive import kept_blocks
+
+    q, k, _ = qkv(1, 2, 30, 8)
+    o = XAttentionOptions(block_size=4, stride=2, threshold=0.6)
+    got = expected_keys(q, k, causal, o)
+    kept = kept_blocks(q[0], k[0], causal, 8 ** -0.5, 4, 2, 0.6)
+    for h in range(2):
+        for p in range(30):
+            want = sum(1 for j in range(30) if j // 4 in kept[h][p // 4] and (not causal or j <= p))
+            assert got[0, h, p] == want, (h, p)
+    assert got[0, :, -4:].mean() < (30 if not causal else 28)  # a real choice, not every key
+    with pytest.raises(NotImplementedError, match="top_p"):
+        expected_keys(q, k, causal, XAttentionOptions(block_size=4, top_p=0.5))

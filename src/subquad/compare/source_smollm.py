@@ -90,7 +90,10 @@ def keys_per_query(rows: list, inputs: list[tuple], causal: bool) -> dict[str, d
         if info.expected_keys is None or isinstance(options, Exception):
             continue
         o = info.make_options(**options)
-        counts = [info.expected_keys(q, k, causal, o) for q, k, _ in inputs]
+        try:
+            counts = [info.expected_keys(q, k, causal, o) for q, k, _ in inputs]
+        except NotImplementedError:  # not countable with these options (xattention's top_p)
+            continue
         per_layer = [c.mean().item() for c in counts]
         late = [c[..., 3 * c.shape[-1] // 4:].mean().item() for c in counts]
         out[label] = {"per_layer": per_layer, "mean": sum(per_layer) / len(per_layer),

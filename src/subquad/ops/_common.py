@@ -1,5 +1,6 @@
-"""Helpers shared by several ops: checks of generator and tensor options, random draws, and the
-thread policies for CPU work (small work on one thread; independent heads on threads of their own).
+"""Helpers shared by several ops: checks of generator and tensor options, random draws, the keys a
+block selection attends, and the thread policies for CPU work (small work on one thread;
+independent heads on threads of their own).
 
 (Input checks of q, k, v and of plain options are in :mod:`subquad.checks`.)
 """
@@ -15,8 +16,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-__all__ = ["SMALL_WORK", "check_generator", "check_tensor_option", "modes_active", "one_thread", "over_threads",
-           "randn"]
+__all__ = ["SMALL_WORK", "check_generator", "check_tensor_option", "keys_of_blocks", "modes_active", "one_thread",
+           "over_threads", "randn"]
 
 #: elements below which a chain of elementwise kernels runs on one thread (see :func:`one_thread`)
 SMALL_WORK = 1 << 18
@@ -135,3 +136,16 @@ def randn(shape, generator: torch.Generator | None, like: Tensor) -> Tensor:
         return torch.randn(shape, dtype=like.dtype, device=like.device)
     out = torch.randn(shape, generator=generator, dtype=like.dtype, device=generator.device)
     return out.to(like.device)
+
+
+def keys_of_blocks(keep: Tensor, n: int, m: int, query_block: int, key_block: int, causal: bool) -> Tensor:
+    """``(B, H, n)`` float64: the keys each of ``n`` queries attends when query block ``i`` attends
+    key block ``j`` of ``m`` keys where ``keep`` ``(B, H, nq, nk)`` holds (causal: the keys at or
+    before the query). For a registry entry's ``expected_keys``."""
+    nq, nk = keep.shape[-2:]
+    start = torch.arange(nk, device=keep.device) * key_block
+    size = (m - start).clamp(max=key_block)  # keys in each block
+    pos = torch.arange(nq * query_block, device=keep.device)[:, None]
+    visible = (pos + 1 - start).clamp(min=0, max=key_block).minimum(size) if causal else size.expand(len(pos), nk)
+    keys = torch.einsum("bhij,ipj->bhip", keep.double(), visible.double().view(nq, query_block, nk))
+    return keys.flatten(2)[..., :n]

@@ -45,6 +45,7 @@ from torch import Tensor
 
 from ...checks import check_choice, check_int, check_share
 from ...registry import register_method
+from .._common import keys_of_blocks
 from .._masks import compute_dtype, compute_precision, each_item_without_padding
 from ..softmax import sdpa
 from .chunk import attend_causal, attend_gathered, causal_blocks_available
@@ -144,12 +145,7 @@ def expected_keys(q: Tensor, k: Tensor, causal: bool, o: HybridOptions) -> Tenso
                             sinks=o.sinks, local=o.local, score=o.score, top_p=o.top_p)
         hit = torch.zeros(B, H, sel.index.shape[2], nk + 1, dtype=torch.bool, device=q.device)
         hit = hit.scatter_(-1, torch.where(sel.valid, sel.index, nk), True)[..., :nk]
-    start = torch.arange(nk, device=q.device) * KB
-    size = (M - start).clamp(max=KB)  # keys in each block
-    pos = torch.arange(hit.shape[2] * QB, device=q.device)[:, None]
-    visible = (pos + 1 - start).clamp(min=0, max=KB).minimum(size) if causal else size.expand(len(pos), nk)
-    keys = torch.einsum("bhij,ipj->bhip", hit.double(), visible.double().view(hit.shape[2], QB, nk))
-    return keys.flatten(2)[..., :N]
+    return keys_of_blocks(hit, N, M, QB, KB, causal)
 
 
 @register_method(

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ...checks import check_float, check_int, check_share
 from ...registry import register_method
+from .._common import keys_of_blocks
 from .._masks import each_item_without_padding
 from ..softmax import sdpa
 from ..topk import attend_chosen
@@ -102,11 +103,37 @@ def _keep_until(scores: Tensor, threshold: float) -> Tensor:
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, keep)
 
 
+def expected_keys(q: Tensor, k: Tensor, causal: bool, o: XAttentionOptions) -> Tensor:
+    """``(B, H, N)`` float64: the keys each query attends on these q ``(B, H, N, D)`` and k
+    ``(B, H, M, D)`` (every key real; the registry's ``expected_keys``): its query block's key
+    blocks kept up to ``threshold`` (causal: scored as the op scores them, plus the diagonal
+    block; the keys at or before the query). Not with ``top_p`` < 1, whose pruning needs each
+    query's exact weights (NotImplementedError)."""
+    if o.top_p < 1:
+        raise NotImplementedError("xattention: expected_keys counts the kept blocks; top_p prunes keys per query")
+    B, H, N, _ = q.shape
+    M, bs = k.shape[2], o.block_size
+    scale = q.shape[-1] ** -0.5
+    if q.dtype in (torch.float16, torch.bfloat16):
+        q, k = q.float(), k.float()
+    if causal:
+        every = _causal_scores(q, k, scale, bs, o.stride)
+        keep = _keep_until(torch.cat([torch.zeros_like(every[:, :, :1]), every[:, :, :-1]], 2), o.threshold)
+        nb, P = keep.shape[-2:]
+        keep = keep | (torch.arange(P, device=q.device) == torch.arange(nb, device=q.device)[:, None])
+    else:
+        step = max(1, (1 << 24) // max(1, B * H * M * bs)) * bs
+        visible = torch.ones(1, 1, 1, M, dtype=torch.bool, device=q.device)
+        keep = torch.cat([_keep_until(block_scores((q[:, :, a: a + step] * scale) @ k.mT, visible, a, bs, o.stride),
+                                      o.threshold) for a in range(0, N, step)], 2)
+    return keys_of_blocks(keep, N, M, bs, bs, causal)
+
+
 @register_method("xattention", options=XAttentionOptions,
                  summary="exact softmax over each query block's key blocks up to a share of their antidiagonal score",
                  causal=True, cross_attention=True, complexity="quadratic", flops=flops,
                  test_options={"block_size": 4, "stride": 2, "threshold": 0.5}, fullgraph_with_padding=False,
-                 quality_reference=True)
+                 quality_reference=True, expected_keys=expected_keys)
 def xattention_attention(q, k, v, key_padding_mask, causal, scale, *, block_size, stride, threshold, top_p):
     """Shapes: q ``(B, H, N, D)``, k ``(B, H, M, D)``, v ``(B, H, M, Dv)`` -> ``(B, H, N, Dv)``;
     causal, query ``i`` sees the keys ``<= i``. Padding is removed per item first, and a query at a

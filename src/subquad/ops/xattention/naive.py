@@ -8,13 +8,13 @@ from ..softmax.naive import softmax_attention_reference
 from ..topk.naive import top_p_keys
 
 
-def _one(q, k, v, causal, scale, block_size, stride, threshold, top_p):
-    """One unpadded item ``(H, n, D)``, loops over heads, query blocks and queries; each query's
-    keys pruned by :func:`~subquad.ops.topk.naive.top_p_keys`."""
+def kept_blocks(q, k, causal, scale, block_size, stride, threshold):
+    """``kept[h][qb]``: the key blocks query block ``qb`` of one unpadded item ``(H, n, D)`` keeps
+    (loops over heads, query blocks and their scoring queries)."""
     H, N, _ = q.shape
     M = k.shape[1]
     P = -(-M // block_size)
-    out = q.new_zeros(H, N, v.shape[-1])
+    out = [[] for _ in range(H)]
     for h in range(H):
         for qb in range(-(-N // block_size)):
             rows = range(qb * block_size, min(N, (qb + 1) * block_size))
@@ -34,8 +34,21 @@ def _one(q, k, v, causal, scale, block_size, stride, threshold, top_p):
                 total += share[p]
             if causal:
                 kept.add(qb)
-            for i in rows:
-                keys = [j for j in range(M) if j // block_size in kept and (not causal or j <= i)]
+            out[h].append(kept)
+    return out
+
+
+def _one(q, k, v, causal, scale, block_size, stride, threshold, top_p):
+    """One unpadded item ``(H, n, D)``, loops over heads, query blocks and queries; each query's
+    keys pruned by :func:`~subquad.ops.topk.naive.top_p_keys`."""
+    H, N, _ = q.shape
+    M = k.shape[1]
+    out = q.new_zeros(H, N, v.shape[-1])
+    kept = kept_blocks(q, k, causal, scale, block_size, stride, threshold)
+    for h in range(H):
+        for qb, blocks in enumerate(kept[h]):
+            for i in range(qb * block_size, min(N, (qb + 1) * block_size)):
+                keys = [j for j in range(M) if j // block_size in blocks and (not causal or j <= i)]
                 keys = top_p_keys((q[h, i] @ k[h, keys].T) * scale, keys, top_p)
                 w = torch.softmax((q[h, i] @ k[h, keys].T) * scale, -1)
                 out[h, i] = w @ v[h, keys]
