@@ -26,7 +26,7 @@ import math
 import torch
 from torch import Tensor
 
-from .select import past_blocks
+from .select import estimated_share, past_blocks
 
 __all__ = ["HybridDecodeState"]
 
@@ -180,10 +180,7 @@ class HybridDecodeState:
         top = s.masked_fill(forced, -math.inf).sort(dim=-1, descending=True, stable=True).indices[:, : o.num_blocks]
         keep = torch.ones_like(top, dtype=torch.bool)
         if o.top_p < 1:  # the op's rule (select.choose_blocks): the share held before a block below top_p
-            if o.score == "mean":
-                share = torch.softmax(s + math.log(KB), -1)
-            else:
-                share = s / s.sum(-1, keepdim=True)
+            share = estimated_share(s, torch.ones(lo, dtype=torch.bool, device=s.device), lo * KB, KB, o.score)
             ranked = share.gather(1, top)
             keep = (share * forced).sum(-1, keepdim=True) + ranked.cumsum(-1) - ranked < o.top_p
         chosen = torch.zeros(H, lo, dtype=torch.bool, device=s.device)
