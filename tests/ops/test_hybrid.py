@@ -25,7 +25,10 @@ def _mask(b, m):
     return mask
 
 
-@pytest.mark.parametrize("score", ["mass", "mean"])
+SCORES = ["mass", "mean", "sampled"]
+
+
+@pytest.mark.parametrize("score", SCORES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n", [1, 7, 37, 64])
 def test_matches_naive(n, causal, score):
@@ -33,12 +36,12 @@ def test_matches_naive(n, causal, score):
         q, k, v = qkv(2, 2, n, 8, m=m)
         mask = _mask(2, m)
         for options in SETTINGS:
-            out = hybrid_attention(q, k, v, key_padding_mask=mask, causal=causal, score=score, **options)
-            ref = hybrid_attention_reference(q, k, v, mask, causal, score=score, **options)
+            out = hybrid_attention(q, k, v, key_padding_mask=mask, causal=causal, score=score, stride=2, **options)
+            ref = hybrid_attention_reference(q, k, v, mask, causal, score=score, stride=2, **options)
             torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("score", ["mass", "mean"])
+@pytest.mark.parametrize("score", SCORES)
 def test_selection_equals_the_naive_sets(score):
     q, k, _ = qkv(1, 2, 61, 8)
     for causal in (False, True):
@@ -58,15 +61,22 @@ def test_everything_selected_is_softmax():
         torch.testing.assert_close(out, softmax_attention_reference(q, k, v, causal=causal))
 
 
-def test_causal_block_is_scored_by_the_queries_before_it():
-    """Changing the queries of block i changes the key choice of block i + 1, never of block i."""
-    q, k, v = qkv(1, 1, 64, 8)
-    options = dict(query_block=8, key_block=4, num_blocks=1, sinks=0, local=0)
-    base = select_blocks(q, k, True, 1.0, score="mass", **options)
+@pytest.mark.parametrize("score", SCORES)
+def test_causal_block_is_scored_by_the_queries_before_it(score):
+    """Changing the queries of block i changes the key choice of block i + 1, never of block i;
+    changing the keys from block i's first position on changes no choice of blocks 0 .. i."""
+    q, k, v = qkv(1, 4, 64, 8)
+    options = dict(query_block=8, key_block=4, num_blocks=1, sinks=0, local=0, score=score, stride=4)
+    base = select_blocks(q, k, True, 1.0, **options)
     q2 = q.clone()
-    q2[:, :, 24:32] = 10 * torch.randn(1, 1, 8, 8, dtype=q.dtype)  # block 3's queries
-    moved = select_blocks(q2, k, True, 1.0, score="mass", **options)
+    q2[:, :, 24:32] = 10 * torch.randn(1, 4, 8, 8, dtype=q.dtype)  # block 3's queries
+    moved = select_blocks(q2, k, True, 1.0, **options)
     assert torch.equal(base.index[..., :4, :], moved.index[..., :4, :])  # blocks 0 .. 3 keep their keys
+    assert not torch.equal(base.index[..., 4:, :], moved.index[..., 4:, :])
+    k2 = k.clone()
+    k2[:, :, 32:] = 10 * torch.randn(1, 4, 32, 8, dtype=k.dtype)
+    moved = select_blocks(q, k2, True, 1.0, **options)
+    assert torch.equal(base.index[..., :5, :], moved.index[..., :5, :])
 
 
 @pytest.mark.slow
@@ -187,7 +197,7 @@ def test_block_counts_and_cached_candidates(dtype):
     assert q.grad is not None
 
 
-@pytest.mark.parametrize("score", ["mass", "mean"])
+@pytest.mark.parametrize("score", SCORES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_top_p_prunes_the_chosen_blocks_as_the_naive_rule(score, causal):
     """With top_p each query block keeps the naive rule's blocks: a subset of what top_p=1 chooses

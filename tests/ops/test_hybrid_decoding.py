@@ -1,6 +1,6 @@
 """hybrid's decoding state (subquad.ops.hybrid.decoding): each decoded token gets the
 output its row gets in the causal op, after any prefill, with padding, batches of different
-lengths, beam reordering and both scores."""
+lengths, beam reordering and every score."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _decode(state, q, k, v, cuts, mask=None):
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.4])
-@pytest.mark.parametrize("score", ["mass", "mean"])
+@pytest.mark.parametrize("score", ["mass", "mean", "sampled"])
 @pytest.mark.parametrize("prefill", [0, 1, 7, 8, 33, 64])
 def test_decoded_tokens_get_their_rows_of_the_causal_op(score, prefill, top_p):
     N = 90  # key blocks past num_blocks + sinks + local: a real choice from query block 3 on

@@ -26,14 +26,17 @@ against 0.0546 at 8192: ``benchmarks/results/hybrid_summaries.md``), so the keys
 weight.
 
 Related methods: MoBA (Lu et al. 2025, arXiv 2502.13189: blocks gated by their mean key, this
-method's ``score="mean"``), Quest (Tang et al. 2024, arXiv 2406.10774: pages by a per-channel
-bound), attention sinks (Xiao et al. 2023, "Efficient Streaming Language Models with Attention
-Sinks", arXiv 2309.17453: pretrained models park attention on the first tokens, so ``sinks``
-keeps them).
+method's ``score="mean"``), XAttention (Xu et al. 2025, arXiv 2503.16428: blocks rated by
+antidiagonal samples of their logits, this method's ``score="sampled"``), Quest (Tang et al.
+2024, arXiv 2406.10774: pages by a per-channel bound), attention sinks (Xiao et al. 2023,
+"Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453: pretrained models
+park attention on the first tokens, so ``sinks`` keeps them).
 
 Cost per query: ``(sinks + local + num_blocks) key_block`` keys (causal: plus up to
-``query_block + key_block`` on the diagonal), plus ``nk`` block scores (``"mass"``); selection is
-discrete and has no gradient, the attention over the selected keys has.
+``query_block + key_block`` on the diagonal), plus ``nk`` block scores (``"mass"``) or ``M /
+stride`` sampled logits (``"sampled"``: quadratic in N, the most accurate choice per key, not the
+fastest: ``docs/results.md``); selection is discrete and has no gradient, the attention over the
+selected keys has.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from .sharded import hybrid_context_parallel
 __all__ = ["HybridDecodeState", "HybridOptions", "Selection", "hybrid_attention", "flops",
            "select_blocks", "SCORES"]
 
-SCORES = ("mass", "mean")
+SCORES = ("mass", "mean", "sampled")
 #: below this many queries the gathered form runs even where FlexAttention could (its compile and
 #: padding to a bucket cost more than the work)
 FLEX_MIN_QUERIES = 2048
@@ -76,8 +79,12 @@ class HybridOptions:
     causal: on each side; 1); ``score``: ``"mean"`` (mean query times mean key, MoBA's gate; the
     default: as accurate as ``"mass"`` on SmolLM2 at 8192 tokens,
     ``benchmarks/results/retrofit_lm_hybrid_score/``, and its selection is one product of mean
-    vectors per query block instead of a softmax per scoring query) or ``"mass"`` (estimated
-    attention mass of the block for the scoring queries); ``backend``: ``"auto"`` (causal self-attention on the
+    vectors per query block instead of a softmax per scoring query), ``"mass"`` (estimated
+    attention mass of the block for the scoring queries, a block taken as copies of its mean key) or
+    ``"sampled"`` (the mass the scoring queries give the block's own keys, each query reading every
+    ``stride``-th key: XAttention's antidiagonal sample, :func:`.select.sampled_mass`); ``stride``:
+    the ``"sampled"`` score's (a power of two, 8; taken as at most ``key_block`` and
+    ``query_block``); ``backend``: ``"auto"`` (causal self-attention on the
     CPU with ``key_block <= query_block`` and ``top_p`` 1: ``"sdpa"``; else FlexAttention where it runs, for at
     least 2048 queries; else ``"gather"``), ``"sdpa"`` (torch's fused CPU kernel per query block),
     ``"flex"`` or ``"gather"``; ``top_p``: of the chosen blocks, only the best that bring the
@@ -92,9 +99,10 @@ class HybridOptions:
     score: str = "mean"
     backend: str = "auto"
     top_p: float = 1.0
+    stride: int = 8
 
     def __post_init__(self):
-        for name in ("query_block", "key_block"):
+        for name in ("query_block", "key_block", "stride"):
             check_int("hybrid", name, getattr(self, name), minimum=1)
             value = getattr(self, name)
             if value & (value - 1):
@@ -115,7 +123,8 @@ def flops(B, H, N, M, D, Dv, o):
     if o["num_blocks"] + max(o["sinks"], o["local"], 1) >= nk:
         return 2 * B * H * N * M * (D + Dv)
     width = min(nk, o["num_blocks"]) + min(nk, o["sinks"] + max(1, qb // kb) + 2 * o["local"])
-    scores = nq * qb * nk * D if o["score"] == "mass" else nq * nk * D
+    scores = {"mass": nq * qb * nk * D, "mean": nq * nk * D,
+              "sampled": nq * qb * -(-M // min(o["stride"], qb, kb)) * D}[o["score"]]
     return 2 * B * H * (nq * qb * width * kb * (D + Dv) + scores)
 
 
@@ -142,7 +151,7 @@ def expected_keys(q: Tensor, k: Tensor, causal: bool, o: HybridOptions) -> Tenso
     else:
         sq, sk = (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in (q, k))
         sel = select_blocks(sq, sk, causal, q.shape[-1] ** -0.5, query_block=QB, key_block=KB, num_blocks=o.num_blocks,
-                            sinks=o.sinks, local=o.local, score=o.score, top_p=o.top_p)
+                            sinks=o.sinks, local=o.local, score=o.score, top_p=o.top_p, stride=o.stride)
         hit = torch.zeros(B, H, sel.index.shape[2], nk + 1, dtype=torch.bool, device=q.device)
         hit = hit.scatter_(-1, torch.where(sel.valid, sel.index, nk), True)[..., :nk]
     return keys_of_blocks(hit, N, M, QB, KB, causal)
@@ -205,7 +214,8 @@ def _attention(q, k, v, causal, scale, o):
     with torch.no_grad():  # selection is discrete: no gradient
         sq, sk = (q.float(), k.float()) if q.dtype in (torch.float16, torch.bfloat16) else (q, k)
         sel = select_blocks(sq.detach(), sk.detach(), causal, scale, query_block=o.query_block, key_block=o.key_block,
-                            num_blocks=o.num_blocks, sinks=o.sinks, local=o.local, score=o.score, top_p=o.top_p)
+                            num_blocks=o.num_blocks, sinks=o.sinks, local=o.local, score=o.score, top_p=o.top_p,
+                            stride=o.stride)
     # the causal kernel takes every row's full count of past blocks (top_p prunes some)
     if o.backend in ("auto", "sdpa") and causal and o.top_p >= 1 and causal_blocks_available(q, k, sel):
         return attend_causal(q, k, v, sel, past_blocks(o.num_blocks, o.sinks, o.local), scale)

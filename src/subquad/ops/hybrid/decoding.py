@@ -26,7 +26,7 @@ import math
 import torch
 from torch import Tensor
 
-from .select import estimated_share, past_blocks
+from .select import estimated_share, past_blocks, sampled_mass
 
 __all__ = ["HybridDecodeState"]
 
@@ -171,11 +171,13 @@ class HybridDecodeState:
             return
         H = scoring.shape[0]
         j = torch.arange(lo, device=scoring.device)
-        means = row.sums[:, :lo] / KB  # (H, lo, D)
         if o.score == "mean":
-            s = scale * (scoring.mean(1, keepdim=True) @ means.mT).squeeze(1)
+            s = scale * (scoring.mean(1, keepdim=True) @ (row.sums[:, :lo] / KB).mT).squeeze(1)
+        elif o.score == "sampled":  # the scoring queries over every earlier key, as the op's causal rows
+            s = sampled_mass(scoring[None], row.k[None, :, :start], scale, query_block=o.query_block, key_block=KB,
+                             stride=o.stride, causal=True, offset=start - o.query_block)[0, :, 0, :lo]
         else:  # each scoring query's softmax over the blocks (a block as KB copies of its mean), summed
-            s = torch.softmax(scale * scoring @ means.mT + math.log(KB), -1).sum(1)
+            s = torch.softmax(scale * scoring @ (row.sums[:, :lo] / KB).mT + math.log(KB), -1).sum(1)
         forced = (j < o.sinks) | (j >= lo - o.local)
         top = s.masked_fill(forced, -math.inf).sort(dim=-1, descending=True, stable=True).indices[:, : o.num_blocks]
         keep = torch.ones_like(top, dtype=torch.bool)

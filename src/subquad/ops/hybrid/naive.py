@@ -11,7 +11,7 @@ from ..softmax.naive import softmax_attention_reference
 
 
 def selected_blocks(q, k, causal=False, scale=None, *, query_block=512, key_block=128, num_blocks=16, sinks=1,
-                    local=1, score="mean", top_p=1.0):
+                    local=1, score="mean", top_p=1.0, stride=8):
     """``sel[b][h][i]``: the set of key blocks query block ``i`` attends (module docstring of
     ``subquad.ops.hybrid.select``), for unpadded q ``(B, H, N, D)``, k ``(B, H, M, D)``."""
     B, H, N, D = q.shape
@@ -44,6 +44,9 @@ def selected_blocks(q, k, causal=False, scale=None, *, query_block=512, key_bloc
                     z = sum(math.exp(x - top) for x in logits.values())
                     for c in cands:
                         scores[c] += math.exp(logits[c] - top) / z
+                if score == "sampled":
+                    _add_sampled(scores, q[b, h], k[b, h], scorers, causal, scale, min(stride, query_block, key_block),
+                                 key_block)
                 if score == "mean" and scorers:
                     qm = q[b, h, scorers].mean(0)
                     scores = {j: float(scale * qm @ means[j]) for j in cands}
@@ -54,10 +57,25 @@ def selected_blocks(q, k, causal=False, scale=None, *, query_block=512, key_bloc
     return out
 
 
+def _add_sampled(scores, q, k, scorers, causal, scale, stride, key_block):
+    """Add to ``scores[j]`` (candidate blocks) each scoring query's softmax weights over the keys it
+    reads (``t mod stride + j mod stride = stride - 1``, causal: ``j <= t``) that fall in block ``j``."""
+    for t in scorers:
+        read = [j for j in range(k.shape[0]) if (t % stride + j % stride) == stride - 1 and (not causal or j <= t)]
+        if not read:
+            continue
+        logits = [float(scale * q[t] @ k[j]) for j in read]
+        top = max(logits)
+        z = sum(math.exp(x - top) for x in logits)
+        for j, x in zip(read, logits):
+            if j // key_block in scores:
+                scores[j // key_block] += math.exp(x - top) / z
+
+
 def _top_p(ranked, forced, cands, scores, counts, score, top_p):
     """The first of ``ranked`` blocks while the estimated share held by the forced blocks and the
     blocks before stays below ``top_p``; shares among the candidates ``cands``: softmax of
-    ``score + log count`` ("mean") or score over the sum of scores ("mass")."""
+    ``score + log count`` ("mean") or score over the sum of scores ("mass", "sampled")."""
     if score == "mean":
         top = max(scores[c] + math.log(counts[c]) for c in cands)
         weight = {c: math.exp(scores[c] + math.log(counts[c]) - top) for c in cands}

@@ -20,7 +20,11 @@ Scores (``score``), from each block's mean key ``m_j`` and its count of keys ``n
   ``sum_t softmax_j(s q_t.m_j + log n_j)``: each scoring query's weights over the candidate
   blocks (a block taken as ``n_j`` copies of its mean key), summed over the queries;
 - ``"mean"``: ``s mean_t(q_t).m_j``, the block-shared form of MoBA's gate (Lu et al. 2025, "MoBA:
-  Mixture of Block Attention for Long-Context LLMs", arXiv 2502.13189).
+  Mixture of Block Attention for Long-Context LLMs", arXiv 2502.13189);
+- ``"sampled"``: the attention mass the scoring queries give the block's own keys, each query's
+  softmax taken over a strided sample of the keys (:func:`sampled_mass`: XAttention's antidiagonal
+  sample, Xu et al. 2025, "XAttention: Block Sparse Attention with Antidiagonal Scoring",
+  arXiv 2503.16428): every ``stride``-th key per query, so it costs ``1 / stride`` of the logits.
 
 With ``top_p`` < 1 (Twilight's top-p, Lin et al. 2025, "Twilight: Adaptive Attention Sparsity with
 Hierarchical Top-p Pruning", arXiv 2502.02770, here on blocks), the chosen blocks are pruned, best
@@ -43,7 +47,8 @@ from torch import Tensor
 
 from .._masks import masked_fill_value
 
-__all__ = ["Selection", "select_blocks", "block_means", "geometry", "candidates", "choose_blocks", "estimated_share"]
+__all__ = ["Selection", "select_blocks", "block_means", "geometry", "candidates", "choose_blocks", "estimated_share",
+           "sampled_mass"]
 
 # bytes of (query, key block) scores formed at a time
 _SCORE_BYTES = 1 << 26
@@ -98,12 +103,69 @@ def block_means(k: Tensor, key_block: int) -> Tensor:
     return _blocks(k, key_block).sum(-2) / _counts(k.shape[2], key_block, k).unsqueeze(-1)
 
 
-def _scores(q: Tensor, means: Tensor, key_count: Tensor, candidate: Tensor, score: str, scale: float,
-            query_block: int, causal: bool) -> Tensor:
+def sampled_mass(q: Tensor, k: Tensor, scale: float, *, query_block: int, key_block: int, stride: int,
+                 causal: bool, offset: int = 0) -> Tensor:
+    """``(B, H, nq, nk)``: for each block of ``query_block`` queries of q ``(B, H, n, D)`` (the
+    first at position ``offset``, a multiple of ``query_block``), the summed weights its queries
+    give each block of ``key_block`` keys of k ``(B, H, M, D)`` (keys at positions ``0 .. M - 1``)
+    when each query's softmax reads only a sample of the keys: query ``t`` reads key ``j`` when
+    ``t mod S + j mod S = S - 1`` (the antidiagonals of ``S x S`` tiles: every ``S``-th key per
+    query, every ``S``-th query per key) and, causal, ``j <= t``; a query that reads nothing gives
+    nothing. ``S`` is ``stride``, at most both block sizes (powers of two; a larger stride is taken
+    as the smaller block size).
+
+    Computed by residue: the queries ``t = a S + r`` all read the keys ``j = c S + S - 1 - r``, one
+    matrix product per ``r``; ``n M D / S`` multiply-adds (causal: about half)."""
+    B, H, n, D = q.shape
+    M = k.shape[2]
+    S = min(stride, query_block, key_block)
+    nq, nk = -(-n // query_block), -(-M // key_block)
+    qr = (_blocks(q, S) * scale).transpose(2, 3).contiguous()  # (B, H, S, A, D): row a of residue r, query a S + r
+    kr = _blocks(k, S).flip(3).transpose(2, 3).contiguous()  # (B, H, S, C, D): column c of r, key c S + S - 1 - r
+    A, C = qr.shape[3], kr.shape[3]
+    qa, kc = query_block // S, key_block // S
+    r = torch.arange(S, device=q.device).view(S, 1, 1)
+    out = q.new_zeros(B, H, nq, nk)
+    # causal: one query block at a time (keys up to its end); else as many as _SCORE_BYTES allows
+    step = qa if causal else qa * max(1, _SCORE_BYTES // max(1, B * H * query_block * C * q.element_size()))
+    for a0 in range(0, A, step):
+        a1 = min(A, a0 + step)
+        t = offset + torch.arange(a0, a1, device=q.device).view(1, -1, 1) * S + r  # (S, a, 1)
+        c1 = min(C, (offset + a1 * S - 1) // S + 1) if causal else C  # no key past the chunk's last query
+        w = torch.matmul(qr[:, :, :, a0:a1], kr[:, :, :, :c1].mT)  # (B, H, S, a, c) logits
+        # before column ``tail`` every key is real and (causal) before the chunk's first query
+        tail = min(c1, M // S, offset // S + a0 if causal else c1)
+        if tail < c1:
+            j = torch.arange(tail, c1, device=q.device).view(1, 1, -1) * S + (S - 1 - r)  # (S, 1, c - tail)
+            w[..., tail:].masked_fill_(~((j < M) & (j <= t)) if causal else ~(j < M), -math.inf)
+        w = w.sub_(w.amax(-1, keepdim=True)).exp_()  # unnormalised weights; NaN in a row that reads nothing
+        whole = c1 // kc * kc
+        sums = w[..., :whole].view(*w.shape[:-1], whole // kc, kc).sum(-1)  # (B, H, S, a, key blocks)
+        if whole < c1:
+            sums = torch.cat([sums, w[..., whole:].sum(-1, keepdim=True)], -1)
+        sums = (sums / sums.sum(-1, keepdim=True)).nan_to_num_(0.0)
+        sums = sums.masked_fill_(t >= offset + n, 0.0).sum(2)  # (B, H, a, key blocks): past the end, nothing
+        sums = torch.nn.functional.pad(sums, (0, 0, 0, -(a1 - a0) % qa))
+        sums = sums.view(B, H, -1, qa, sums.shape[-1]).sum(3)
+        out[:, :, a0 // qa: a0 // qa + sums.shape[2], : sums.shape[3]] += sums
+    return out
+
+
+def _scores(q: Tensor, k: Tensor, candidate: Tensor, score: str, scale: float, query_block: int, key_block: int,
+            causal: bool, stride: int) -> Tensor:
     """Each query block's score of each key block ``(B, H, nq, nk)``, -inf where not a candidate
     (``candidate`` ``(nq, nk)``). The scoring queries of block ``i`` are its own, or (causal) those
     of block ``i - 1`` (none for block 0). No copy of ``q`` when ``N`` is a multiple of ``query_block``."""
     B, H, N, D = q.shape
+    M = k.shape[2]
+    if score == "sampled":
+        if not causal:
+            return sampled_mass(q, k, scale, query_block=query_block, key_block=key_block, stride=stride,
+                                causal=False).masked_fill(~candidate, -math.inf)
+        s = sampled_mass(q[:, :, : (-(-N // query_block) - 1) * query_block], k, scale, query_block=query_block,
+                         key_block=key_block, stride=stride, causal=True)
+        return torch.cat([s.new_zeros(B, H, 1, s.shape[3]), s], 2).masked_fill(~candidate, -math.inf)
+    means, key_count = block_means(k, key_block), _counts(M, key_block, q)
     qb = _blocks(q, query_block)
     nq, nk = qb.shape[2], means.shape[2]
     if score == "mean":
@@ -171,12 +233,14 @@ def _cached_candidates(*args):
 
 
 def select_blocks(q: Tensor, k: Tensor, causal: bool, scale: float, *, query_block: int, key_block: int,
-                  num_blocks: int, sinks: int, local: int, score: str, top_p: float = 1.0) -> Selection:
-    """The key blocks of every query block (see the module docstring)."""
+                  num_blocks: int, sinks: int, local: int, score: str, top_p: float = 1.0,
+                  stride: int = 8) -> Selection:
+    """The key blocks of every query block (see the module docstring; ``stride``: the ``"sampled"``
+    score's, :func:`sampled_mass`)."""
     N, M = q.shape[2], k.shape[2]
     lo, hi, candidate, forced = candidates(N, M, causal, query_block=query_block, key_block=key_block, sinks=sinks,
                                            local=local, device=q.device)
-    s = _scores(q, block_means(k, key_block), _counts(M, key_block, q), candidate, score, scale, query_block, causal)
+    s = _scores(q, k, candidate, score, scale, query_block, key_block, causal, stride)
     return choose_blocks(s, M, lo, hi, candidate, forced, causal, query_block=query_block, key_block=key_block,
                          num_blocks=num_blocks, sinks=sinks, local=local, score=score, top_p=top_p)
 
@@ -184,8 +248,8 @@ def select_blocks(q: Tensor, k: Tensor, causal: bool, scale: float, *, query_blo
 def estimated_share(s: Tensor, candidate: Tensor, m: int, key_block: int, score: str) -> Tensor:
     """Each candidate block's estimated share of its query block's attention among the candidates
     ``(B, H, nq, nk)`` (0 elsewhere), from scores ``s``: ``"mean"``, the softmax over the candidates
-    of ``s_j + log n_j`` (a block as ``n_j`` copies of its mean key); ``"mass"``, the scores (already
-    summed softmax weights) over their sum."""
+    of ``s_j + log n_j`` (a block as ``n_j`` copies of its mean key); ``"mass"`` and ``"sampled"``,
+    the scores (already summed softmax weights) over their sum."""
     if score == "mean":
         share = torch.softmax((s + _counts(m, key_block, s).log()).masked_fill(~candidate, -math.inf), -1)
     else:
