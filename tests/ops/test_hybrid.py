@@ -25,7 +25,7 @@ def _mask(b, m):
     return mask
 
 
-SCORES = ["mass", "mean", "sampled"]
+SCORES = ["mass", "mean", "mean_query", "sampled"]
 
 
 @pytest.mark.parametrize("score", SCORES)

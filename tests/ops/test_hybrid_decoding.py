@@ -36,7 +36,7 @@ def _decode(state, q, k, v, cuts, mask=None):
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.4])
-@pytest.mark.parametrize("score", ["mass", "mean", "sampled"])
+@pytest.mark.parametrize("score", ["mass", "mean", "mean_query", "sampled"])
 @pytest.mark.parametrize("prefill", [0, 1, 7, 8, 33, 64])
 def test_decoded_tokens_get_their_rows_of_the_causal_op(score, prefill, top_p):
     N = 90  # key blocks past num_blocks + sinks + local: a real choice from query block 3 on

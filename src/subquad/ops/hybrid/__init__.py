@@ -60,7 +60,7 @@ from .sharded import hybrid_context_parallel
 __all__ = ["HybridDecodeState", "HybridOptions", "Selection", "hybrid_attention", "flops",
            "select_blocks", "SCORES"]
 
-SCORES = ("mass", "mean", "sampled")
+SCORES = ("mass", "mean", "mean_query", "sampled")
 #: below this many queries the gathered form runs even where FlexAttention could (its compile and
 #: padding to a bucket cost more than the work)
 FLEX_MIN_QUERIES = 2048
@@ -76,17 +76,16 @@ class HybridOptions:
     block selects by score (16: SmolLM2's perplexity within 1 % of exact attention's at 4096 and
     8192 tokens, zero-shot); ``sinks``: leading key blocks always attended (1); ``local``: key
     blocks next to the query block always attended (causal: the ``local`` blocks before it; not
-    causal: on each side; 1); ``score``: ``"mean"`` (mean query times mean key, MoBA's gate; the
-    default: as accurate as ``"mass"`` on SmolLM2 at 8192 tokens,
-    ``benchmarks/results/retrofit_lm_hybrid_score/``, and its selection is one product of mean
-    vectors per query block instead of a softmax per scoring query), ``"mass"`` (estimated
-    attention mass of the block for the scoring queries, a block taken as copies of its mean key) or
-    ``"sampled"`` (the mass the scoring queries give the block's own keys, each query reading every
-    ``stride``-th key: XAttention's antidiagonal sample, :func:`.select.sampled_mass`); ``stride``:
-    the ``"sampled"`` score's (a power of two, 8; taken as at most ``key_block`` and
-    ``query_block``); ``backend``: ``"auto"`` (causal self-attention on the
-    CPU with ``key_block <= query_block`` and ``top_p`` 1: ``"sdpa"``; else FlexAttention where it runs, for at
-    least 2048 queries; else ``"gather"``), ``"sdpa"`` (torch's fused CPU kernel per query block),
+    causal: on each side; 1); ``score``, how a block is rated (:mod:`.select`): ``"mean"`` (mean
+    query times mean key, MoBA's gate; the default), ``"mass"`` (each scoring query's softmax over
+    the blocks, a block taken as copies of its mean key), ``"mean_query"`` (the mean scoring
+    query's softmax over every candidate key, summed per block) or ``"sampled"`` (each scoring
+    query's softmax over every ``stride``-th key, XAttention's antidiagonal sample, summed per
+    block: the most accurate per key, at a cost quadratic in N); ``stride``: the ``"sampled"``
+    score's (a power of two, 8; taken as at most ``key_block`` and ``query_block``);
+    ``backend``: ``"auto"`` (causal self-attention on the CPU with ``key_block <= query_block``
+    and ``top_p`` 1: ``"sdpa"``; else FlexAttention where it runs, for at least 2048 queries; else
+    ``"gather"``), ``"sdpa"`` (torch's fused CPU kernel per query block),
     ``"flex"`` or ``"gather"``; ``top_p``: of the chosen blocks, only the best that bring the
     estimated share of the query block's attention held by its forced and chosen blocks to
     ``top_p`` (Twilight's top-p on blocks, :mod:`.select`; default 1.0: all ``num_blocks``)."""
@@ -123,7 +122,7 @@ def flops(B, H, N, M, D, Dv, o):
     if o["num_blocks"] + max(o["sinks"], o["local"], 1) >= nk:
         return 2 * B * H * N * M * (D + Dv)
     width = min(nk, o["num_blocks"]) + min(nk, o["sinks"] + max(1, qb // kb) + 2 * o["local"])
-    scores = {"mass": nq * qb * nk * D, "mean": nq * nk * D,
+    scores = {"mass": nq * qb * nk * D, "mean": nq * nk * D, "mean_query": nq * M * D,
               "sampled": nq * qb * -(-M // min(o["stride"], qb, kb)) * D}[o["score"]]
     return 2 * B * H * (nq * qb * width * kb * (D + Dv) + scores)
 

@@ -173,6 +173,9 @@ class HybridDecodeState:
         j = torch.arange(lo, device=scoring.device)
         if o.score == "mean":
             s = scale * (scoring.mean(1, keepdim=True) @ (row.sums[:, :lo] / KB).mT).squeeze(1)
+        elif o.score == "mean_query":  # the mean scoring query's softmax over every earlier key, per block
+            logits = scale * (scoring.mean(1, keepdim=True) @ row.k[:, : lo * KB].mT).squeeze(1)
+            s = torch.softmax(logits, -1).view(H, lo, KB).sum(-1)
         elif o.score == "sampled":  # the scoring queries over every earlier key, as the op's causal rows
             s = sampled_mass(scoring[None], row.k[None, :, :start], scale, query_block=o.query_block, key_block=KB,
                              stride=o.stride, causal=True, offset=start - o.query_block)[0, :, 0, :lo]

@@ -47,6 +47,8 @@ def selected_blocks(q, k, causal=False, scale=None, *, query_block=512, key_bloc
                 if score == "sampled":
                     _add_sampled(scores, q[b, h], k[b, h], scorers, causal, scale, min(stride, query_block, key_block),
                                  key_block)
+                if score == "mean_query" and scorers and cands:
+                    _add_mean_query(scores, q[b, h, scorers].mean(0), k[b, h], [keys[c] for c in cands], cands, scale)
                 if score == "mean" and scorers:
                     qm = q[b, h, scorers].mean(0)
                     scores = {j: float(scale * qm @ means[j]) for j in cands}
@@ -55,6 +57,16 @@ def selected_blocks(q, k, causal=False, scale=None, *, query_block=512, key_bloc
                     rest = _top_p(rest, forced, cands, scores, [len(ks) for ks in keys], score, top_p)
                 out[b][h][i] = forced | set(rest) | diag
     return out
+
+
+def _add_mean_query(scores, qm, k, keys, cands, scale):
+    """Add to ``scores[c]`` the softmax weights of the mean query ``qm`` over every key of the
+    candidate blocks ``cands`` (``keys[i]``: the positions of block ``cands[i]``) held by block ``c``."""
+    logits = {(c, t): float(scale * qm @ k[t]) for c, ks in zip(cands, keys) for t in ks}
+    top = max(logits.values())
+    z = sum(math.exp(x - top) for x in logits.values())
+    for (c, _), x in logits.items():
+        scores[c] += math.exp(x - top) / z
 
 
 def _add_sampled(scores, q, k, scorers, causal, scale, stride, key_block):
@@ -75,7 +87,7 @@ def _add_sampled(scores, q, k, scorers, causal, scale, stride, key_block):
 def _top_p(ranked, forced, cands, scores, counts, score, top_p):
     """The first of ``ranked`` blocks while the estimated share held by the forced blocks and the
     blocks before stays below ``top_p``; shares among the candidates ``cands``: softmax of
-    ``score + log count`` ("mean") or score over the sum of scores ("mass", "sampled")."""
+    ``score + log count`` ("mean") or score over the sum of scores (the others)."""
     if score == "mean":
         top = max(scores[c] + math.log(counts[c]) for c in cands)
         weight = {c: math.exp(scores[c] + math.log(counts[c]) - top) for c in cands}

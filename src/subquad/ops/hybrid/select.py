@@ -21,6 +21,9 @@ Scores (``score``), from each block's mean key ``m_j`` and its count of keys ``n
   blocks (a block taken as ``n_j`` copies of its mean key), summed over the queries;
 - ``"mean"``: ``s mean_t(q_t).m_j``, the block-shared form of MoBA's gate (Lu et al. 2025, "MoBA:
   Mixture of Block Attention for Long-Context LLMs", arXiv 2502.13189);
+- ``"mean_query"``: the attention mass the scoring queries' mean query gives the block's own keys,
+  ``sum_{k in j} softmax_k(s qbar.k)`` over every candidate key (one row of logits per query
+  block: ``1 / query_block`` of exact attention's products);
 - ``"sampled"``: the attention mass the scoring queries give the block's own keys, each query's
   softmax taken over a strided sample of the keys (:func:`sampled_mass`: XAttention's antidiagonal
   sample, Xu et al. 2025, "XAttention: Block Sparse Attention with Antidiagonal Scoring",
@@ -151,6 +154,29 @@ def sampled_mass(q: Tensor, k: Tensor, scale: float, *, query_block: int, key_bl
     return out
 
 
+def _mean_query_mass(q: Tensor, k: Tensor, candidate: Tensor, scale: float, query_block: int, key_block: int,
+                     causal: bool) -> Tensor:
+    """``(B, H, nq, nk)``: the softmax weights of each query block's mean scoring query over every
+    key of its candidate blocks, summed per block (-inf where not a candidate)."""
+    B, H, N, D = q.shape
+    M = k.shape[2]
+    qm = _blocks(q, query_block).sum(-2) / _counts(N, query_block, q).unsqueeze(-1)  # (B, H, nq, D)
+    if causal:  # block i scored by block i - 1's mean query
+        qm = torch.cat([torch.zeros_like(qm[:, :, :1]), qm[:, :, :-1]], 2)
+    kb = _blocks(k, key_block)  # (B, H, nk, KB, D)
+    nq, nk, KB = qm.shape[2], kb.shape[2], kb.shape[3]
+    keys = (scale * kb).flatten(2, 3).mT  # (B, H, D, nk KB)
+    real = (torch.arange(nk * KB, device=q.device) < M).view(nk, KB)
+    step = max(1, _SCORE_BYTES // max(1, B * H * nk * KB * q.element_size()))
+    out = []
+    for a in range(0, nq, step):
+        logits = torch.matmul(qm[:, :, a: a + step], keys).view(B, H, -1, nk, KB)
+        logits = logits.masked_fill_(~(candidate[a: a + step, :, None] & real), -math.inf)
+        w = torch.softmax(logits.flatten(-2), -1).nan_to_num_(0.0)  # a block without candidates: 0
+        out.append(w.view(B, H, -1, nk, KB).sum(-1))
+    return torch.cat(out, 2).masked_fill(~candidate, -math.inf)
+
+
 def _scores(q: Tensor, k: Tensor, candidate: Tensor, score: str, scale: float, query_block: int, key_block: int,
             causal: bool, stride: int) -> Tensor:
     """Each query block's score of each key block ``(B, H, nq, nk)``, -inf where not a candidate
@@ -165,6 +191,8 @@ def _scores(q: Tensor, k: Tensor, candidate: Tensor, score: str, scale: float, q
         s = sampled_mass(q[:, :, : (-(-N // query_block) - 1) * query_block], k, scale, query_block=query_block,
                          key_block=key_block, stride=stride, causal=True)
         return torch.cat([s.new_zeros(B, H, 1, s.shape[3]), s], 2).masked_fill(~candidate, -math.inf)
+    if score == "mean_query":
+        return _mean_query_mass(q, k, candidate, scale, query_block, key_block, causal)
     means, key_count = block_means(k, key_block), _counts(M, key_block, q)
     qb = _blocks(q, query_block)
     nq, nk = qb.shape[2], means.shape[2]
@@ -248,8 +276,8 @@ def select_blocks(q: Tensor, k: Tensor, causal: bool, scale: float, *, query_blo
 def estimated_share(s: Tensor, candidate: Tensor, m: int, key_block: int, score: str) -> Tensor:
     """Each candidate block's estimated share of its query block's attention among the candidates
     ``(B, H, nq, nk)`` (0 elsewhere), from scores ``s``: ``"mean"``, the softmax over the candidates
-    of ``s_j + log n_j`` (a block as ``n_j`` copies of its mean key); ``"mass"`` and ``"sampled"``,
-    the scores (already summed softmax weights) over their sum."""
+    of ``s_j + log n_j`` (a block as ``n_j`` copies of its mean key); ``"mass"``, ``"mean_query"``
+    and ``"sampled"``, the scores (already summed softmax weights) over their sum."""
     if score == "mean":
         share = torch.softmax((s + _counts(m, key_block, s).log()).masked_fill(~candidate, -math.inf), -1)
     else:
