@@ -176,10 +176,11 @@ def test_ring_traffic():
 HYBRID = {"query_block": 4, "key_block": 2, "num_blocks": 2, "sinks": 1, "local": 1}
 
 
+@pytest.mark.parametrize("score", ["mean", "mean_query"])
 @pytest.mark.parametrize("lengths", [[24, 24], [24, 9], [32, 21]], ids=["even", "uneven", "longer"])
 @pytest.mark.parametrize("key_block", [2, 4])
-def test_hybrid_causal_equals_the_whole_sequence(lengths, key_block):
-    _check("hybrid", True, lengths, lengths, False, options=dict(HYBRID, key_block=key_block))
+def test_hybrid_causal_equals_the_whole_sequence(lengths, key_block, score):
+    _check("hybrid", True, lengths, lengths, False, options=dict(HYBRID, key_block=key_block, score=score))
 
 
 def test_hybrid_short_sequence_is_exact_attention():

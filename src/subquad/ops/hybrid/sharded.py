@@ -5,8 +5,12 @@ causal self-attention, the LLM case, each rank holding whole query and key block
 1. **Summaries**: every rank's key-block means and query-block means, one all-gather (no gradient;
    ``(n / QB + n / KB) D`` numbers per (item, head) and rank).
 2. **Selection**: each rank scores its query blocks against the key blocks before them with the
-   single-process rule (``score="mean"``: a block is rated by the previous query block's mean, which
-   for a rank's first block is the previous rank's last), so it picks the same blocks.
+   single-process rule, so it picks the same blocks: a block is rated by the previous query block's
+   mean (for a rank's first block, the previous rank's last), against the block's mean key
+   (``score="mean"``) or, ``score="mean_query"``, against the block's every key: every rank's
+   scoring means are all-gathered, each rank takes the log-sum-exp of their logits over each of its
+   own key blocks, and a second all-gather gives every rank the softmax over its candidate blocks
+   (``nq nk`` numbers per (item, head) and rank).
 3. **Rounds**: a rank takes its query blocks :data:`ROUND_BLOCKS` at a time. Per round, the
    selected key blocks that live on earlier ranks, each (item, head, block) once, are sent by
    their owners (one exchange of counts, then point-to-point sends of the wanted block ids and of
@@ -18,12 +22,14 @@ causal self-attention, the LLM case, each rank holding whole query and key block
 
 A rank other than the first must start past the dense prefix (where a query block's selection is
 every key before it): at ``(past KB / QB + 1) QB`` tokens, 2304 at the defaults. Not supported:
-``score="mass"`` (it needs the previous query block's every query), key padding (the op removes
+``score="mass"`` and ``"sampled"`` (they need the previous query block's every query), key padding (the op removes
 padding first, which moves the blocks across ranks), non-causal attention, ``key_block >
 query_block``, and devices other than the CPU (the fused kernel is torch's CPU one).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +56,8 @@ def _check(o, key_padding_mask: Tensor | None, causal: bool, q: Tensor, lengths:
     if key_padding_mask is not None:
         raise NotImplementedError("hybrid: context parallelism takes no key_padding_mask (padding removal would "
                                   "move blocks between ranks)")
-    if o.score != "mean":
-        raise NotImplementedError("hybrid: context parallelism scores blocks with score='mean'")
+    if o.score not in ("mean", "mean_query"):
+        raise NotImplementedError("hybrid: context parallelism scores blocks with score='mean' or 'mean_query'")
     if o.top_p < 1:
         raise NotImplementedError("hybrid: context parallelism runs top_p=1 (its per-block kernel takes every "
                                   "query block's full count of past blocks)")
@@ -87,6 +93,23 @@ def _summaries(q: Tensor, k: Tensor, o, shards: Shards, lengths: list[int]) -> t
     return means, torch.cat([before, every[r, :, :, max(nks): max(nks) + nqs[r] - 1]], 2)
 
 
+def _mean_query_scores(before: Tensor, k: Tensor, o, shards: Shards, lengths: list[int], scale: float,
+                       candidate: Tensor) -> Tensor:
+    """``score="mean_query"``'s scores ``(B, H, nq, nk_end)`` of this rank's query blocks (scoring
+    means ``before``): each block's share of the softmax of the scoring mean over every candidate
+    key, from the log-sum-exps that each rank computes over its own key blocks."""
+    KB, r = o.key_block, shards.rank
+    nks, nqs = [-(-n // KB) for n in lengths], [-(-n // o.query_block) for n in lengths]
+    befores = shards.gather(F.pad(before, (0, 0, 0, max(nqs) - before.shape[2])))  # (R, B, H, max nq, D)
+    logits = scale * befores @ k.mT  # (R, B, H, max nq, n) over this rank's keys
+    logits = F.pad(logits, (0, nks[r] * KB - k.shape[2]), value=-math.inf)
+    lse = torch.logsumexp(logits.unflatten(-1, (nks[r], KB)), -1)  # (R, B, H, max nq, nk)
+    every = shards.gather(F.pad(lse, (0, max(nks) - nks[r])))  # (owner, R, B, H, max nq, max nk)
+    lse = torch.cat([every[s, r, :, :, :nqs[r], :nks[s]] for s in range(r + 1)], -1)
+    share = torch.softmax(lse.masked_fill(~candidate, -math.inf), -1).nan_to_num_(0.0)
+    return share.masked_fill(~candidate, -math.inf)
+
+
 def hybrid_context_parallel(q, k, v, key_padding_mask, causal, scale, o, shards: Shards) -> Tensor:
     """The entry's ``context_parallel`` (see the module docstring)."""
     shards.need_contiguous(causal, "hybrid")
@@ -109,8 +132,12 @@ def hybrid_context_parallel(q, k, v, key_padding_mask, causal, scale, o, shards:
             lo, hi, cand, forced = candidates(end, end, True, query_block=QB, key_block=KB, sinks=o.sinks,
                                               local=o.local, device=q.device)
             g0 = start // QB
-            sel = choose_blocks(scale * before @ means.mT, end, lo[g0:], hi[g0:], cand[g0:], forced[g0:], True,
-                                query_block=QB, key_block=KB, num_blocks=o.num_blocks, sinks=o.sinks, local=o.local)
+            if o.score == "mean_query":
+                scores = _mean_query_scores(before, kc, o, shards, lengths, scale, cand[g0:])
+            else:
+                scores = scale * before @ means.mT
+            sel = choose_blocks(scores, end, lo[g0:], hi[g0:], cand[g0:], forced[g0:], True, query_block=QB,
+                                key_block=KB, num_blocks=o.num_blocks, sinks=o.sinks, local=o.local)
         Np, E = -(-n // QB) * QB, max(D, Dv)
         qc, kc, vc = (t.contiguous() if t.shape[-2:] == (Np, E) else F.pad(t, (0, E - t.shape[-1], 0, Np - n))
                       for t in (qc, kc, vc))  # no copy when nothing is padded
