@@ -180,15 +180,16 @@ def test_training_run_on_cuda(method, data_dir, tmp_path):
     assert (tmp_path / method / "model.pt").exists()
 
 
-def test_hybrid_decode_state_on_cuda():
+@pytest.mark.parametrize("score", ["mean", "mean_query", "sampled"])
+def test_hybrid_decode_state_on_cuda(score):
     """hybrid's decoding state on CUDA gives the CPU's outputs over a prefill and single steps,
-    with the selection active (default options, 3000 keys: 24 key blocks, 18 attended)."""
-    from subquad.ops.hybrid import HybridDecodeState
+    with the selection active (default blocks, 3000 keys: 24 key blocks, 14 attended), each score."""
+    from subquad.ops.hybrid import HybridDecodeState, HybridOptions
 
     q, k, v = qkv(1, 2, 3004, 16, dtype=torch.float32)
     outs = []
     for device in ("cpu", CUDA):
-        state = HybridDecodeState()
+        state = HybridDecodeState(HybridOptions(score=score))
         qd, kd, vd = (t.to(device) for t in (q, k, v))
         steps = [state.attend(qd[:, :, :3000], kd[:, :, :3000], vd[:, :, :3000])[:, :, -1:]]
         steps += [state.attend(qd[:, :, j: j + 1], kd[:, :, j: j + 1], vd[:, :, j: j + 1]) for j in range(3000, 3004)]

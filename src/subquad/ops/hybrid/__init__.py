@@ -17,8 +17,8 @@ Why blocks: an earlier hybrid chose keys per query (a similarity tree over the k
 each query, plus one summary key per unchosen group). Per exact key it was 3-4x more accurate,
 but its per-query work ran at a fraction of the matrix-product rate: on SmolLM2-135M at 8192
 tokens it was either lossy (perplexity x1.19 at its default) or slower than exact attention
-(x1.010 at 1.9x the time), where this form gives x1.006 and runs the whole model 1.2x faster
-(``benchmarks/results/retrofit_lm_hybrid_default/``; the retired estimator's measurements are
+(x1.010 at 1.9x the time), where this form gives x1.011 and runs the whole model 1.46x faster
+(``benchmarks/results/hybrid_mean_query/perplexity/``; the retired estimator's measurements are
 in ``benchmarks/results/tree_hybrid/``). One summary key per left-out block (its mean key with
 logit + log(size), its mean value, as RetroInfer estimates unselected clusters: arXiv 2505.02922)
 did not lower the error on SmolLM2's attention (0.0279 against 0.0273 at 4096 tokens, 0.0573
@@ -70,32 +70,34 @@ FLEX_MIN_QUERIES = 2048
 class HybridOptions:
     """``query_block``: consecutive queries that share one set of key blocks (default 512: on
     SmolLM2 at 4096 and 8192 tokens as accurate as 128 or more, and the CPU kernel runs 512-query
-    units at a higher rate, ``benchmarks/results/hybrid_query_block/``);
-    ``key_block``: keys per block (128: the tile of the CUDA kernels' backward; smaller blocks run
-    there through a table look-up in each visited tile); ``num_blocks``: key blocks each query
-    block selects by score (16: SmolLM2's perplexity within 1 % of exact attention's at 4096 and
-    8192 tokens, zero-shot); ``sinks``: leading key blocks always attended (1); ``local``: key
-    blocks next to the query block always attended (causal: the ``local`` blocks before it; not
-    causal: on each side; 1); ``score``, how a block is rated (:mod:`.select`): ``"mean"`` (mean
-    query times mean key, MoBA's gate; the default), ``"mass"`` (each scoring query's softmax over
-    the blocks, a block taken as copies of its mean key), ``"mean_query"`` (the mean scoring
-    query's softmax over every candidate key, summed per block) or ``"sampled"`` (each scoring
+    units at a higher rate, ``benchmarks/results/hybrid_query_block/``); ``key_block``: keys per
+    block (128: the tile of the CUDA kernels' backward; smaller blocks run there through a table
+    look-up in each visited tile); ``num_blocks``: key blocks each query block selects by score
+    (12: SmolLM2's perplexity x1.0065 / x1.011 of exact attention's at 4096 / 8192 tokens
+    zero-shot, the whole model 1.00x / 1.46x as fast on a CPU, ``benchmarks/results/hybrid_mean_query/``);
+    ``sinks``: leading key blocks always attended (1); ``local``: key blocks next to the query
+    block always attended (causal: the ``local`` blocks before it; not causal: on each side; 1);
+    ``score``, how a block is rated (:mod:`.select`): ``"mean_query"`` (the default: the mean
+    scoring query's softmax over every candidate key, summed per block; on SmolLM2 at 8192 tokens
+    error 0.030 at 16 blocks where ``"mean"`` has 0.049, for 1/512 of exact attention's products),
+    ``"mean"`` (mean query times mean key, MoBA's gate), ``"mass"`` (each scoring query's softmax
+    over the blocks, a block taken as copies of its mean key) or ``"sampled"`` (each scoring
     query's softmax over every ``stride``-th key, XAttention's antidiagonal sample, summed per
     block: the most accurate per key, at a cost quadratic in N); ``stride``: the ``"sampled"``
     score's (a power of two, 8; taken as at most ``key_block`` and ``query_block``);
     ``backend``: ``"auto"`` (causal self-attention on the CPU with ``key_block <= query_block``
     and ``top_p`` 1: ``"sdpa"``; else FlexAttention where it runs, for at least 2048 queries; else
-    ``"gather"``), ``"sdpa"`` (torch's fused CPU kernel per query block),
-    ``"flex"`` or ``"gather"``; ``top_p``: of the chosen blocks, only the best that bring the
-    estimated share of the query block's attention held by its forced and chosen blocks to
-    ``top_p`` (Twilight's top-p on blocks, :mod:`.select`; default 1.0: all ``num_blocks``)."""
+    ``"gather"``), ``"sdpa"`` (torch's fused CPU kernel per query block), ``"flex"`` or
+    ``"gather"``; ``top_p``: of the chosen blocks, only the best that bring the estimated share
+    of the query block's attention held by its forced and chosen blocks to ``top_p`` (Twilight's
+    top-p on blocks, :mod:`.select`; default 1.0: all ``num_blocks``)."""
 
     query_block: int = 512
     key_block: int = 128
-    num_blocks: int = 16
+    num_blocks: int = 12
     sinks: int = 1
     local: int = 1
-    score: str = "mean"
+    score: str = "mean_query"
     backend: str = "auto"
     top_p: float = 1.0
     stride: int = 8
@@ -122,7 +124,7 @@ def flops(B, H, N, M, D, Dv, o):
     if o["num_blocks"] + max(o["sinks"], o["local"], 1) >= nk:
         return 2 * B * H * N * M * (D + Dv)
     width = min(nk, o["num_blocks"]) + min(nk, o["sinks"] + max(1, qb // kb) + 2 * o["local"])
-    scores = {"mass": nq * qb * nk * D, "mean": nq * nk * D, "mean_query": nq * M * D,
+    scores = {"mass": nq * qb * nk * D, "mean": nq * nk * D, "mean_query": nq * nk * kb * D,
               "sampled": nq * qb * -(-M // min(o["stride"], qb, kb)) * D}[o["score"]]
     return 2 * B * H * (nq * qb * width * kb * (D + Dv) + scores)
 

@@ -10,8 +10,8 @@ import torch
 from ..softmax.naive import softmax_attention_reference
 
 
-def selected_blocks(q, k, causal=False, scale=None, *, query_block=512, key_block=128, num_blocks=16, sinks=1,
-                    local=1, score="mean", top_p=1.0, stride=8):
+def selected_blocks(q, k, causal=False, scale=None, *, query_block=512, key_block=128, num_blocks=12, sinks=1,
+                    local=1, score="mean_query", top_p=1.0, stride=8):
     """``sel[b][h][i]``: the set of key blocks query block ``i`` attends (module docstring of
     ``subquad.ops.hybrid.select``), for unpadded q ``(B, H, N, D)``, k ``(B, H, M, D)``."""
     B, H, N, D = q.shape
@@ -128,7 +128,7 @@ def hybrid_attention_reference(q, k, v, key_padding_mask=None, causal=False, sca
     B, H, N, D = q.shape
     M = k.shape[2]
     scale = D ** -0.5 if scale is None else scale
-    o = {"num_blocks": 16, "sinks": 1, "local": 1, **options}
+    o = {"num_blocks": 12, "sinks": 1, "local": 1, **options}
     every = o["num_blocks"] + max(o["sinks"], o["local"], 0 if causal else 1) >= -(-M // key_block)
     if every and o.get("top_p", 1.0) >= 1:
         return softmax_attention_reference(q, k, v, key_padding_mask, causal, scale)  # every block selected

@@ -149,7 +149,7 @@ def sampled_mass(q: Tensor, k: Tensor, scale: float, *, query_block: int, key_bl
         sums = (sums / sums.sum(-1, keepdim=True)).nan_to_num_(0.0)
         sums = sums.masked_fill_(t >= offset + n, 0.0).sum(2)  # (B, H, a, key blocks): past the end, nothing
         sums = torch.nn.functional.pad(sums, (0, 0, 0, -(a1 - a0) % qa))
-        sums = sums.view(B, H, -1, qa, sums.shape[-1]).sum(3)
+        sums = sums.view(B, H, sums.shape[2] // qa, qa, sums.shape[-1]).sum(3)
         out[:, :, a0 // qa: a0 // qa + sums.shape[2], : sums.shape[3]] += sums
     return out
 
@@ -170,10 +170,12 @@ def _mean_query_mass(q: Tensor, k: Tensor, candidate: Tensor, scale: float, quer
     step = max(1, _SCORE_BYTES // max(1, B * H * nk * KB * q.element_size()))
     out = []
     for a in range(0, nq, step):
-        logits = torch.matmul(qm[:, :, a: a + step], keys).view(B, H, -1, nk, KB)
+        logits = torch.matmul(qm[:, :, a: a + step], keys)
+        c = logits.shape[2]
+        logits = logits.view(B, H, c, nk, KB)
         logits = logits.masked_fill_(~(candidate[a: a + step, :, None] & real), -math.inf)
         w = torch.softmax(logits.flatten(-2), -1).nan_to_num_(0.0)  # a block without candidates: 0
-        out.append(w.view(B, H, -1, nk, KB).sum(-1))
+        out.append(w.view(B, H, c, nk, KB).sum(-1))
     return torch.cat(out, 2).masked_fill(~candidate, -math.inf)
 
 
