@@ -154,15 +154,20 @@ def sampled_mass(q: Tensor, k: Tensor, scale: float, *, query_block: int, key_bl
     return out
 
 
+def _scoring_means(q: Tensor, query_block: int, causal: bool) -> Tensor:
+    """``(B, H, nq, D)``: the mean of each query block's scoring queries: its own, or (causal)
+    block ``i - 1``'s (zeros for block 0)."""
+    qm = _blocks(q, query_block).sum(-2) / _counts(q.shape[2], query_block, q).unsqueeze(-1)
+    return torch.cat([torch.zeros_like(qm[:, :, :1]), qm[:, :, :-1]], 2) if causal else qm
+
+
 def _mean_query_mass(q: Tensor, k: Tensor, candidate: Tensor, scale: float, query_block: int, key_block: int,
                      causal: bool) -> Tensor:
     """``(B, H, nq, nk)``: the softmax weights of each query block's mean scoring query over every
     key of its candidate blocks, summed per block (-inf where not a candidate)."""
     B, H, N, D = q.shape
     M = k.shape[2]
-    qm = _blocks(q, query_block).sum(-2) / _counts(N, query_block, q).unsqueeze(-1)  # (B, H, nq, D)
-    if causal:  # block i scored by block i - 1's mean query
-        qm = torch.cat([torch.zeros_like(qm[:, :, :1]), qm[:, :, :-1]], 2)
+    qm = _scoring_means(q, query_block, causal)
     kb = _blocks(k, key_block)  # (B, H, nk, KB, D)
     nq, nk, KB = qm.shape[2], kb.shape[2], kb.shape[3]
     keys = (scale * kb).flatten(2, 3).mT  # (B, H, D, nk KB)
@@ -199,10 +204,7 @@ def _scores(q: Tensor, k: Tensor, candidate: Tensor, score: str, scale: float, q
     qb = _blocks(q, query_block)
     nq, nk = qb.shape[2], means.shape[2]
     if score == "mean":
-        s = scale * (qb.sum(-2) / _counts(N, query_block, q).unsqueeze(-1)) @ means.mT
-        if causal:
-            s = torch.cat([torch.zeros_like(s[:, :, :1]), s[:, :, :-1]], 2)
-        return s.masked_fill(~candidate, -math.inf)
+        return (scale * _scoring_means(q, query_block, causal) @ means.mT).masked_fill(~candidate, -math.inf)
     # logit of block j for query t: s q_t.m_j + log n_j, a large finite negative value where j is no
     # candidate (so a query with none has finite weights; its block's scores are masked below)
     bias = key_count.log() + (~candidate).to(q.dtype) * masked_fill_value(q.dtype)  # (nq, nk)
