@@ -102,6 +102,20 @@ def test_busy_run_and_the_ceiling_column(tmp_path, capsys):
     assert "ceiling vs exact" in (tmp_path / "report.md").read_text()
 
 
+def test_rounds_take_the_median_over_interleaved_rounds(tmp_path, capsys):
+    """--rounds R: every timed point R times, its time the median over them, exact attention's too."""
+    res, _ = _results(tmp_path, capsys, "--n", "32", "48", "--methods", "linear", "--rounds", "3")
+    assert res["config"]["rounds"] == 3
+    for row in res["rows"]:
+        assert set(row["rounds"]) == {"forward_s", "forward_backward_s"}, row["method"]
+        for key, times in row["rounds"].items():
+            assert len(times) == 3 and all(t > 0 for t in times)
+            assert row[key] == sorted(times)[1]
+        exact = next(r for r in res["rows"] if r["method"] == "softmax" and r["n"] == row["n"])
+        assert row["speedup_forward"] == pytest.approx(exact["forward_s"] / row["forward_s"])
+    assert "median over 3 rounds" in (tmp_path / "report.md").read_text()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--causal", "--peers"], "random inputs"),
     (["--busy", "-1"], "--busy must be"),

@@ -61,6 +61,22 @@ def test_everything_selected_is_softmax():
         torch.testing.assert_close(out, softmax_attention_reference(q, k, v, causal=causal))
 
 
+def test_a_selection_of_every_block_runs_exact_attention(monkeypatch):
+    """Not causal, the forced blocks (own, local, sink) plus the chosen ones can hold every key
+    block although ``num_blocks`` alone does not: then the op is exact attention, no gathering."""
+    import subquad.ops.hybrid as hybrid
+
+    def fail(*args):
+        raise AssertionError("gathered")
+
+    q, k, v = qkv(1, 2, 50, 8)
+    options = dict(query_block=16, key_block=4, num_blocks=10, sinks=1, local=1)  # 13 key blocks, at least 3 forced
+    monkeypatch.setattr(hybrid, "attend_gathered", fail)
+    torch.testing.assert_close(hybrid_attention(q, k, v, **options), softmax_attention_reference(q, k, v))
+    with pytest.raises(AssertionError, match="gathered"):  # one block fewer: the gathered form
+        hybrid_attention(q, k, v, **{**options, "num_blocks": 9})
+
+
 @pytest.mark.parametrize("score", SCORES)
 def test_causal_block_is_scored_by_the_queries_before_it(score):
     """Changing the queries of block i changes the key choice of block i + 1, never of block i;

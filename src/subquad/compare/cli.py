@@ -89,7 +89,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                       "perplexity and its last quarter against the model's own attention, the share of "
                       "greedy next tokens that agree, and the whole forward's seconds against the model's own")
     mode.add_argument("--rounds", type=int, default=0, metavar="R",
-                      help="with --perplexity: each row's forward seconds as the median of R more forwards, "
+                      help="timing (--source random): each point's forward and forward+backward times as "
+                      "the median over R rounds, every row of an N timed once per round (exact attention's "
+                      "among them) so that a drift of the machine's speed reaches all rows alike (default: one "
+                      "round); with --perplexity: each row's forward seconds as the median of R more forwards, "
                       "interleaved with the model's own (default: one forward each); with --base: rounds per "
                       "side (default 3)")
     mode.add_argument("--source", choices=["random", "minilm", "smollm", "synthetic"], default="random",
@@ -350,8 +353,9 @@ def _source_text(p: argparse.ArgumentParser, args: argparse.Namespace) -> str | 
         p.error("--sweep adds rows of subquad's methods; it cannot be combined with --peers")
     if args.perplexity and args.source != "smollm":
         p.error("--perplexity runs SmolLM2 with each row's attention; add --source smollm")
-    if args.rounds and not (args.perplexity or args.base):
-        p.error("--rounds times the forwards of --perplexity (or the runs of --base); add --perplexity or --base")
+    if args.rounds and args.source != "random" and not (args.perplexity or args.base):
+        p.error("--rounds times the points of --source random, the forwards of --perplexity or the runs of "
+                "--base; with this --source add --perplexity")
     if args.rounds < 0:
         p.error(f"--rounds must be >= 0, got {args.rounds}")
     if args.source == "smollm":

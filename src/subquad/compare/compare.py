@@ -16,9 +16,10 @@ look worse there than on the sharp attention of trained models.
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -84,6 +85,8 @@ class _Point:
     module: Any = None  # a token mixer's module, shared by the forward and the backward
     real_error: dict[str, Any] | None = None  # the method's error on real inputs, measured once
     compiled: bool = False  # a --compile row: the op through torch.compile
+    # the timed calls by their row key ("forward_s", "forward_backward_s"), for --rounds' later rounds
+    timed: dict[str, Callable[[], object]] = field(default_factory=dict)
 
     def calls(self) -> dict[str, Any]:
         """The keyword arguments of :func:`forward_call` and :func:`forward_backward_call` here."""
@@ -201,6 +204,7 @@ def _time_forward(p: _Point) -> tuple[Callable[[], Tensor], Tensor, dict[str, An
         p.stage("forward")
         with torch.no_grad():
             timing = median_time(keep_output, config.min_run_time)
+        p.timed["forward_s"] = torch.no_grad()(fwd)
         p.row["forward_s"], p.row["forward_runs"], p.row["forward_spread"] = timing.seconds, timing.runs, timing.spread
         p.row["forward_first_s"] = timing.first
     except Exception as e:  # noqa: BLE001 (a failing method is reported, not fatal)
@@ -264,6 +268,7 @@ def _time_backward(p: _Point) -> bool:
         p.stage("forward+backward")
         step = forward_backward_call(p.info, p.q, p.k, p.v, p.user_options, **p.calls())
         timing = median_time(step, p.config.min_run_time)
+        p.timed["forward_backward_s"] = step
         p.row["forward_backward_s"], p.row["forward_backward_runs"] = timing.seconds, timing.runs
         p.row["forward_backward_spread"] = timing.spread
     except Exception as e:  # noqa: BLE001
@@ -313,14 +318,16 @@ def _record_memory(p: _Point, backward: bool) -> None:
 
 
 def _measure_point(row: tuple[str, Any, dict[str, Any]], n: int, q, k, v, reference, config: Config, history, bar,
-                   real_error: dict[str, Any] | None = None, compiled: bool = False) -> dict[str, Any]:
+                   real_error: dict[str, Any] | None = None, compiled: bool = False,
+                   timed: dict[str, Callable[[], object]] | None = None) -> dict[str, Any]:
     """Every measurement of one (method, N) point, in order: forward time (or a skip), error
     (against ``reference``, or ``real_error``), FLOPs, forward+backward time, the decode time
     (``--objective decode``), peak memory. ``row``: ``(label, info, options)``
-    (:func:`~subquad.compare.common.comparison_rows`); ``compiled``: the op through torch.compile."""
+    (:func:`~subquad.compare.common.comparison_rows`); ``compiled``: the op through torch.compile;
+    ``timed``: filled with the calls whose times :func:`_more_rounds` measures again."""
     label, info, user_options = row
     p = _Point(info, n, q, k, v, config, history, bar, user_options, _new_row(info, n, user_options, label),
-               real_error=real_error, compiled=compiled)
+               real_error=real_error, compiled=compiled, timed={} if timed is None else timed)
     _probe(p)
     if _skip_slow_forward(p) or _skip_large_forward(p):
         return p.row
@@ -342,6 +349,25 @@ def _measure_point(row: tuple[str, Any, dict[str, Any]], n: int, q, k, v, refere
     if p.row["errors"]:
         p.row["status"] = "partial"
     return p.row
+
+
+def _more_rounds(rows: list[dict[str, Any]], timed: list[dict[str, Callable[[], object]]], rounds: int,
+                 min_run_time: float, bar) -> None:
+    """``--rounds R`` (R > 1): the forward and forward+backward times of the rows of one N measured
+    ``R - 1`` more times, row after row within a round (exact attention's among them), so that a
+    change of the machine's speed during the run reaches every row alike; each time becomes the
+    median over the rounds, which ``rounds`` keeps in the row."""
+    for row in rows:
+        row["rounds"] = {key: [row[key]] for key in ("forward_s", "forward_backward_s") if row.get(key)}
+    for r in range(1, rounds):
+        for row, calls in zip(rows, timed):
+            for key, fn in calls.items():
+                if key in row["rounds"]:
+                    bar.set_postfix_str(f"N={row['n']} {row['method']}: round {r + 1}/{rounds}")
+                    row["rounds"][key].append(median_time(fn, min_run_time, min_runs=1).seconds)
+    for row in rows:
+        for key, times in row["rounds"].items():
+            row[key] = statistics.median(times)
 
 
 def _derived(rows: list[dict[str, Any]], rates: dict[str, float]) -> None:
@@ -531,18 +557,23 @@ def run(config: Config, *, show_progress: bool = True, real_errors: dict[str, An
         gates = verdicts([i.name for i in infos], config.gate, bar)
         with BusyNeighbours(config.busy):
             for n, q, k, v, reference in random_inputs(config, dtype, device, bar, reference=errors["kind"] == "iid"):
+                at_n, timed = [], []
                 for spec in specs:
                     label, info, _ = spec
+                    timed.append({})
                     row = _unmeasured_row(spec, n, gates) or _measure_point(
                         spec, n, q, k, v, reference, config, history[label], bar,
                         real_error=_real_error(errors, info, label.removesuffix(COMPILED)),
-                        compiled=label.endswith(COMPILED))
+                        compiled=label.endswith(COMPILED), timed=timed[-1])
                     if gates.get(info.name, {}).get("status") == "untested":
                         row["notes"].append(f"not gated: {gates[info.name]['detail']}")
                     history[label][n] = row
-                    rows.append(row)
+                    at_n.append(row)
                     bar.update(1)
-                del reference
+                if config.rounds > 1:
+                    _more_rounds(at_n, timed, config.rounds, config.min_run_time, bar)
+                rows += at_n
+                del reference, timed
         # the roof again after the points, at the same sizes: one measured while something else ran
         # reads low, and every achieved rate would then read high against it
         again = _matmul_rates(device, dtype, config, bar, sizes={k: r.size for k, r in roofs.items() if r.rate})

@@ -218,7 +218,10 @@ def _columns_explained(res: dict[str, Any]) -> list[str]:
         "",
         f"- **forward ms**, **fwd+bwd ms**: median over at least {MIN_RUNS} timed blocks of calls "
         f"(`subquad.compare.timing`: at least {c['min_run_time']:g} s, after one untimed call, "
-        f"{res['machine']['threads']} threads; each block's spread is in results.json); fwd+bwd computes the "
+        f"{res['machine']['threads']} threads; each block's spread is in results.json)"
+        + (f", then the median over {c['rounds']} rounds, every row of an N timed once per round (`--rounds`; "
+           "each round's time is in results.json)" if c.get("rounds", 0) > 1 else "")
+        + "; fwd+bwd computes the "
         "gradients of q, k, v for a fixed random output gradient. **vs exact**: exact attention's time "
         "divided by the method's, both from this run (quote these ratios; absolute times drift on a "
         "shared machine).",

@@ -21,7 +21,7 @@ causal self-attention, the LLM case, each rank holding whole query and key block
    and send their gradients back to their owners.
 
 A rank other than the first must start past the dense prefix (where a query block's selection is
-every key before it): at ``(past KB / QB + 1) QB`` tokens, 2304 at the defaults. Not supported:
+every key before it): at ``(past KB // QB + 1) QB`` tokens, 2048 at the defaults. Not supported:
 ``score="mass"`` and ``"sampled"`` (they need the previous query block's every query), key padding (the op removes
 padding first, which moves the blocks across ranks), non-causal attention, ``key_block >
 query_block``, and devices other than the CPU (the fused kernel is torch's CPU one).
