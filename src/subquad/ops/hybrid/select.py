@@ -167,20 +167,22 @@ def _mean_query_mass(q: Tensor, k: Tensor, candidate: Tensor, scale: float, quer
     key of its candidate blocks, summed per block (-inf where not a candidate)."""
     B, H, N, D = q.shape
     M = k.shape[2]
-    qm = _scoring_means(q, query_block, causal)
+    qm = scale * _scoring_means(q, query_block, causal)
     kb = _blocks(k, key_block)  # (B, H, nk, KB, D)
     nq, nk, KB = qm.shape[2], kb.shape[2], kb.shape[3]
-    keys = (scale * kb).flatten(2, 3).mT  # (B, H, D, nk KB)
+    keys = kb.flatten(2, 3).mT  # (B, H, D, nk KB), a view
     real = (torch.arange(nk * KB, device=q.device) < M).view(nk, KB)
     step = max(1, _SCORE_BYTES // max(1, B * H * nk * KB * q.element_size()))
     out = []
     for a in range(0, nq, step):
         logits = torch.matmul(qm[:, :, a: a + step], keys)
         c = logits.shape[2]
-        logits = logits.view(B, H, c, nk, KB)
-        logits = logits.masked_fill_(~(candidate[a: a + step, :, None] & real), -math.inf)
-        w = torch.softmax(logits.flatten(-2), -1).nan_to_num_(0.0)  # a block without candidates: 0
-        out.append(w.view(B, H, c, nk, KB).sum(-1))
+        # the softmax in place (a fresh tensor of this size costs more than the passes), summed per
+        # block; a logit more than 80 below its row's largest weighs exp(-80) ~ 2e-35 of it, not less
+        # (exp is several times slower on -inf and on float32's subnormal results, below about -87)
+        w = logits.view(B, H, c, nk, KB).masked_fill_(~(candidate[a: a + step, :, None] & real), -math.inf)
+        w = w.sub_(w.amax((-2, -1), keepdim=True)).clamp_(min=-80.0).exp_().sum(-1)
+        out.append(w.div_(w.sum(-1, keepdim=True)).nan_to_num_(0.0))  # a block without candidates: 0
     return torch.cat(out, 2).masked_fill(~candidate, -math.inf)
 
 
