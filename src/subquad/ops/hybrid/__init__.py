@@ -55,7 +55,7 @@ from ..softmax import sdpa
 from .chunk import attend_causal, attend_gathered, causal_blocks_available
 from .decoding import HybridDecodeState
 from .parallel import attend_flex, flex_available
-from .select import Selection, past_blocks, select_blocks
+from .select import Selection, candidates, past_blocks, select_blocks
 from .sharded import hybrid_context_parallel
 
 __all__ = ["HybridDecodeState", "HybridOptions", "Selection", "hybrid_attention", "flops",
@@ -124,8 +124,8 @@ def flops(B, H, N, M, D, Dv, o):
     attention's when every block is selected."""
     kb, qb = o["key_block"], o["query_block"]
     nk, nq = -(-M // kb), -(-N // qb)
-    if o["num_blocks"] + max(o["sinks"], o["local"], 1) >= nk:
-        return 2 * B * H * N * M * (D + Dv)
+    if o["num_blocks"] + max(o["sinks"], o["local"], 1) >= nk or _forced_and_chosen_are_all(N, M, False, o):
+        return 2 * B * H * N * M * (D + Dv)  # every block: exact attention
     width = min(nk, o["num_blocks"]) + min(nk, o["sinks"] + max(1, qb // kb) + 2 * o["local"])
     scores = {"mass": nq * qb * nk * D, "mean": nq * nk * D, "mean_query": nq * nk * kb * D,
               "sampled": nq * qb * -(-M // min(o["stride"], qb, kb)) * D}[o["score"]]
@@ -212,8 +212,19 @@ def _selects_all(m: int, causal: bool, o: HybridOptions) -> bool:
     return o.top_p >= 1 and o.num_blocks + max(o.sinks, o.local, 0 if causal else 1) >= -(-m // o.key_block)
 
 
+def _forced_and_chosen_are_all(n: int, m: int, causal: bool, o: dict) -> bool:
+    """Not causal: whether every query block would hold every key block, its forced ones (sinks,
+    its own, local) and ``num_blocks`` chosen among the rest (as at 2048 tokens at the defaults);
+    the sizes decide it, not the scores. ``o``: the options as a dict."""
+    if causal or o["top_p"] < 1 or torch.compiler.is_compiling():
+        return False
+    _, _, candidate, forced = candidates(n, m, False, query_block=o["query_block"], key_block=o["key_block"],
+                                         sinks=o["sinks"], local=o["local"], device=torch.device("cpu"))
+    return int((candidate & ~forced).sum(-1).max()) <= o["num_blocks"]
+
+
 def _attention(q, k, v, causal, scale, o):
-    if _selects_all(k.shape[2], causal, o):
+    if _selects_all(k.shape[2], causal, o) or _forced_and_chosen_are_all(q.shape[2], k.shape[2], causal, vars(o)):
         return sdpa(q, k, v, None, causal, scale)
     with torch.no_grad():  # selection is discrete: no gradient
         sq, sk = (q.float(), k.float()) if q.dtype in (torch.float16, torch.bfloat16) else (q, k)
@@ -226,8 +237,6 @@ def _attention(q, k, v, causal, scale, o):
     if o.backend == "sdpa":
         raise ValueError("hybrid: backend='sdpa' runs causal self-attention on the CPU with key_block <= "
                          "query_block and top_p=1; use backend='auto'")
-    if not causal and bool((sel.valid.sum(-1) == -(-k.shape[2] // o.key_block)).all()):
-        return sdpa(q, k, v, None, False, scale)  # every query block holds every key block: exact attention
     use_flex = o.backend == "flex" or (o.backend == "auto" and q.device.type == "cuda"
                                        and q.shape[2] >= FLEX_MIN_QUERIES)
     if use_flex:
